@@ -1,0 +1,30 @@
+"""zeroshard: ZeRO (Zero Redundancy Optimizer) for PyTorch, DeepSpeed-config compatible."""
+
+import argparse as _argparse
+
+from .comm import init_distributed
+from .config import ConfigError, NotSupportedYetError, load_config
+from .engine import Engine, initialize, is_initialized, prepare
+from .optim import NonFiniteGradientError, ZeroOptimizer
+from .scaler import LossScaleError
+
+__version__ = "0.1.0"
+
+
+def add_config_arguments(parser):
+    """Add DeepSpeed's `--deepspeed` and `--deepspeed_config` options to an argparse parser."""
+    group = parser.add_argument_group("zeroshard", "zeroshard / DeepSpeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable zeroshard (accepted for DeepSpeed compatibility)")
+    group.add_argument("--deepspeed_config", "--zeroshard_config", default=None, type=str,
+                       help="path to a DeepSpeed-format JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true", help=_argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=_argparse.SUPPRESS)
+    return parser
+
+
+__all__ = [
+    "ConfigError", "Engine", "LossScaleError", "NonFiniteGradientError", "NotSupportedYetError",
+    "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
+    "load_config", "prepare", "__version__",
+]

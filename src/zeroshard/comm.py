@@ -1,0 +1,141 @@
+"""Process-group set-up and the one collective wrapper every zeroshard collective goes through.
+
+`Comm` counts, per rank, the bytes each collective moves under the ring model that the ZeRO paper
+uses: all-gather and reduce-scatter move (N-1)/N of the full (gathered / unreduced) payload, an
+all-reduce twice that. `comm_report()` returns the cumulative counts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the tensor collectives; older releases only have the *_tensor names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return None
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
+                     **_ignored) -> None:
+    """Start the default process group from torchrun's (or Slurm's) environment; no-op if started."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    rank = _env_int("RANK", "SLURM_PROCID")
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID")
+    if rank is None or world is None:
+        # A plain `python train.py` is a world of one: give it a private rendezvous.
+        rank, world, local_rank = 0, 1, 0
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    else:
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _slurm_master() or "127.0.0.1"
+        os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank or 0))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank or 0)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+
+
+def _slurm_master() -> str | None:
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodes:
+        return None
+    # "node[01-04],other" -> "node01"; good enough for the common contiguous case.
+    first = nodes.split(",")[0]
+    if "[" in first:
+        prefix, rest = first.split("[", 1)
+        first = prefix + rest.split("-")[0].split("]")[0]
+    return first
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_device() -> torch.device:
+    """`cuda:LOCAL_RANK` when CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class Comm:
+    """Collectives over one process group, each one counted in the comm ledger."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.bytes = defaultdict(int)
+
+    def _count(self, kind: str, payload_bytes: int, factor: float) -> None:
+        n = self.world_size
+        self.bytes[kind] += int(round(factor * payload_bytes * (n - 1) / n))
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """Sum (or `op`) `tensor` in place across ranks."""
+        self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
+        if self.world_size == 1:
+            return None
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Gather every rank's `shard` into `output` (rank order); `shard` may alias its own slot."""
+        self._count("all_gather", output.numel() * output.element_size(), 1.0)
+        if self.world_size == 1:
+            if shard.data_ptr() != output.data_ptr():
+                output.copy_(shard)
+            return None
+        return _ALL_GATHER(output, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """Sum `full` across ranks and leave this rank's contiguous 1/N slice in `shard_out`."""
+        self._count("reduce_scatter", full.numel() * full.element_size(), 1.0)
+        if self.world_size == 1:
+            shard_out.copy_(full)
+            return None
+        return _REDUCE_SCATTER(shard_out, full, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        """Copy `tensor` from rank `src` to every rank."""
+        self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src, group=self.group)
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def report(self) -> dict[str, int]:
+        """Cumulative bytes moved by this rank per collective kind, plus "total"."""
+        out = {k: int(self.bytes.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+        out["total"] = sum(out.values())
+        return out
+
+    def reset(self) -> None:
+        """Zero the ledger (e.g. to measure one step)."""
+        self.bytes.clear()

@@ -1,0 +1,362 @@
+"""`initialize()`, the training `Engine`, and `prepare()` for users who keep their own loop.
+
+The engine is the loop around the sharded optimizer: forward (with input casting in mixed
+precision), backward (fp16 loss scaling and division by the accumulation steps), step at the
+accumulation boundary only (then the LR scheduler, then clearing gradients), and the ledgers.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm, default_device, init_distributed
+from .config import ZeroConfig, load_config, require_supported
+from .optim import ZeroOptimizer, build_optimizer
+from .scaler import LossScaler
+
+PLACEMENTS = ("device", "cpu", "nvme")
+
+
+class Engine(nn.Module):
+    """Wraps the user's model: forward, backward, step, ledgers (DeepSpeed's engine API)."""
+
+    def __init__(self, module: nn.Module, optimizer: ZeroOptimizer, config: ZeroConfig,
+                 comm: Comm, lr_scheduler=None, device: torch.device | None = None):
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self._config = config
+        self.comm = comm
+        self.device = device or torch.device("cpu")
+        self.scaler = optimizer.scaler
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self.compute_dtype = _compute_dtype(config)
+
+    # -- DeepSpeed-style accessors -----------------------------------------------------------------
+    @property
+    def config(self) -> dict:
+        """The resolved configuration as a plain dict."""
+        return self._config.to_dict()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of data-parallel ranks."""
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within this node (LOCAL_RANK)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def train_batch_size(self) -> int:
+        """Global batch per optimizer step (micro x accumulation x world size)."""
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward."""
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self._config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        """The configured ZeRO stage."""
+        return self._config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        """Whether fp16 mixed precision is on."""
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether bf16 mixed precision is on."""
+        return self._config.bf16.enabled
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next `step()` applies the optimizer."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force (or with None, stop forcing) the accumulation boundary."""
+        self._boundary_override = is_boundary
+
+    def get_lr(self) -> list[float]:
+        """Current learning rate of every param group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Unclipped global gradient norm of the last applied step."""
+        return self.optimizer.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False if the last boundary step was skipped (fp16 overflow)."""
+        return self.optimizer.step_applied
+
+    def get_loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 when loss scaling is off)."""
+        return self.scaler.scale
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module (floating inputs are cast to the compute dtype)."""
+        if self.compute_dtype is not None:
+            args = tuple(_cast(a, self.compute_dtype) for a in args)
+            kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of `loss` scaled by the fp16 loss scale and 1/accumulation steps."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward expects a scalar loss tensor; reduce it (e.g. "
+                             f".mean()) first, got {type(loss).__name__} "
+                             f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
+        scale = self.scaler.scale / self.gradient_accumulation_steps()
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self) -> None:
+        """Apply the optimizer at the accumulation boundary; count the micro-step either way."""
+        if self.is_gradient_accumulation_boundary():
+            applied = self.optimizer.step()
+            if applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.optimizer.zero_grad()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self._config.steps_per_print and self.global_steps % self._config.steps_per_print == 0 \
+                    and self.rank == 0 and _verbose():
+                print(f"[zeroshard] step {self.global_steps} lr {self.get_lr()} "
+                      f"loss_scale {self.scaler.scale:g}", flush=True)
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear accumulated gradients."""
+        self.optimizer.zero_grad()
+
+    # -- ledgers -----------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds, by kind (params/grads/optimizer/buffers) and placement."""
+        seen: set[int] = set()
+        units = self.optimizer.units
+        report = {kind: dict.fromkeys(PLACEMENTS, 0) for kind in ("params", "grads", "optimizer", "buffers")}
+        param_tensors = [u.flat for u in units] + [p.data for p in self.module.parameters()]
+        _tally(report["params"], param_tensors, seen, self.device)
+        _tally(report["grads"], self.optimizer.policy.grad_tensors(), seen, self.device)
+        _tally(report["optimizer"], self.optimizer.state_tensors(), seen, self.device)
+        transient = getattr(self.optimizer.policy, "buffers", {})
+        _tally(report["buffers"], list(transient.values()), seen, self.device)
+        return report
+
+    def comm_report(self) -> dict[str, int]:
+        """Cumulative bytes this rank moved per collective kind (ring model), plus "total"."""
+        return self.comm.report()
+
+    def destroy(self) -> None:
+        """Remove hooks; the engine is unusable afterwards."""
+        self.optimizer.close()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = super().__getattr__("module")
+            return getattr(module, name)
+
+
+def _tally(bucket: dict, tensors, seen: set[int], device: torch.device) -> None:
+    """Add each distinct storage's bytes once under its placement."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        placement = "device" if tensor.device.type == device.type else "cpu"
+        bucket[placement] += storage.nbytes()
+
+
+def _cast(value, dtype):
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+def _verbose() -> bool:
+    return os.environ.get("ZEROSHARD_QUIET", "0") != "1"
+
+
+def _compute_dtype(config: ZeroConfig) -> torch.dtype | None:
+    if config.fp16.enabled:
+        return torch.float16
+    if config.bf16.enabled:
+        return torch.bfloat16
+    return None
+
+
+def _resolve_config(config, args, config_params):
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    return config
+
+
+def _make_optimizer(optimizer, model_parameters, module: nn.Module, cfg: ZeroConfig):
+    params = list(model_parameters) if model_parameters is not None else \
+        [p for p in module.parameters() if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            warnings.warn("zeroshard: both an optimizer instance and a config 'optimizer' block "
+                          "were given; the instance is used and the config block ignored",
+                          stacklevel=4)
+        return optimizer
+    if callable(optimizer):
+        return optimizer(params)
+    if cfg.optimizer is not None:
+        return build_optimizer(cfg.optimizer, params)
+    raise ValueError("no optimizer: pass optimizer=<torch optimizer or callable> to initialize(), "
+                     "or add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} "
+                     "block to the config")
+
+
+def _check_owned(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    owned = {id(p) for p in module.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in owned:
+                raise ValueError(f"optimizer param group {g}, parameter {i} (shape "
+                                 f"{tuple(p.shape)}) is not a parameter of the model; build the "
+                                 "optimizer from model.parameters()")
+
+
+def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, args=None,
+           config_params=None):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    init_distributed()
+    comm = Comm()
+    source = _resolve_config(config, args, config_params)
+    cfg = source if isinstance(source, ZeroConfig) else load_config(source, comm.world_size)
+    require_supported(cfg)
+    device = default_device()
+    dtype = _compute_dtype(cfg)
+    model.to(device)
+    torch_opt = _make_optimizer(optimizer, model_parameters, model, cfg)
+    _check_owned(torch_opt, model)
+    if dtype is not None:
+        model.to(dtype)
+    zero = cfg.zero_optimization
+    scaler = LossScaler.from_config(cfg.fp16)
+    zopt = ZeroOptimizer(model, torch_opt, comm, stage=zero.stage,
+                         bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
+                         clip_norm=cfg.gradient_clipping, scaler=scaler,
+                         overlap_comm=zero.overlap_comm is not False)
+    _broadcast_from_rank0(model, zopt, comm)
+    scheduler = _make_scheduler(lr_scheduler, cfg, zopt)
+    engine = Engine(model, zopt, cfg, comm, scheduler, device)
+    return engine, zopt, scheduler, cfg
+
+
+def _broadcast_from_rank0(model: nn.Module, zopt: ZeroOptimizer, comm: Comm) -> None:
+    """Start every rank from rank 0's weights, as DDP does, so unseeded inits cannot diverge."""
+    if comm.world_size == 1:
+        return
+    in_units = set()
+    for unit in zopt.units:
+        comm.broadcast(unit.flat, src=0)
+        in_units.update(id(p) for p in unit.params())
+    for tensor in list(p.data for p in model.parameters() if id(p) not in in_units) + list(model.buffers()):
+        comm.broadcast(tensor, src=0)
+    for unit, master in zip(zopt.units, zopt.masters):
+        lo, hi = zopt.policy.owned_bounds(unit)
+        if master.data_ptr() != unit.flat[lo:hi].data_ptr():
+            master.data.copy_(unit.flat[lo:hi])
+
+
+def _make_scheduler(lr_scheduler, cfg: ZeroConfig, zopt: ZeroOptimizer):
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(zopt)
+        return lr_scheduler
+    if cfg.scheduler is not None:
+        from .schedulers import build_scheduler
+
+        return build_scheduler({"type": cfg.scheduler.type, "params": dict(cfg.scheduler.params)}, zopt)
+    return None
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, config_params=None):
+    """Wrap `model` for ZeRO training: returns `(engine, optimizer, dataloader, lr_scheduler)`."""
+    if model is None:
+        raise ValueError("initialize() needs model=<torch.nn.Module>")
+    if mpu is not None:
+        raise ValueError("model parallelism (mpu=) is not supported by zeroshard; pass mpu=None")
+    engine, zopt, scheduler, cfg = _build(model, optimizer, model_parameters, config,
+                                          lr_scheduler, args, config_params)
+    loader = None
+    if training_data is not None:
+        loader = make_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, engine.comm,
+                                 collate_fn)
+    return engine, zopt, loader, scheduler
+
+
+def make_dataloader(dataset, micro_batch: int, comm: Comm, collate_fn=None):
+    """A DataLoader over this rank's share of `dataset` at the micro batch size."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(dataset, num_replicas=comm.world_size, rank=comm.rank)
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn)
+
+
+def prepare(model: nn.Module, optimizer, config=None):
+    """Shard `optimizer` over `model` for a plain `loss.backward(); opt.step(); opt.zero_grad()` loop.
+
+    Returns `(model, optimizer)`: the same module (its parameters now live in zeroshard's flat
+    buffers) and a `ZeroOptimizer` whose `.engine` gives `memory_report()` / `comm_report()`.
+    Every `optimizer.step()` steps: accumulate by calling backward several times in between.
+    """
+    cfg_source = config if config is not None else {}
+    if isinstance(cfg_source, dict) and "gradient_accumulation_steps" in cfg_source \
+            and cfg_source["gradient_accumulation_steps"] != 1:
+        warnings.warn("prepare(): gradient_accumulation_steps is ignored; every optimizer.step() "
+                      "steps, so accumulate by calling backward() several times before it",
+                      stacklevel=2)
+        cfg_source = {k: v for k, v in cfg_source.items() if k != "gradient_accumulation_steps"}
+    init_distributed()
+    cfg = load_config(cfg_source, world_size=dist.get_world_size())
+    if cfg.fp16.enabled:
+        raise ValueError("prepare() cannot do fp16: plain loss.backward() skips loss scaling. "
+                         "Use bf16 (\"bf16\": {\"enabled\": true}) or zeroshard.initialize() and "
+                         "engine.backward(loss)")
+    engine, zopt, _, _ = _build(model, optimizer, None, cfg, None)
+    zopt.engine = engine
+    return model, zopt
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,128 @@
+"""The one data layout of every stage: units -> flat buffers -> per-rank shards.
+
+A *unit* is a set of parameters communicated together. Its parameters are laid end to end in one
+flat buffer, padded so that it splits into `world_size` equal contiguous shards; each parameter's
+`.data` is a view into that buffer. Rank r owns `[r*S, (r+1)*S)` of every unit.
+
+For stages 0-2 units are buckets of about `bucket_numel` elements in gradient-ready order (the
+reverse of registration); parameters of different optimizer param groups or dtypes never share one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# Shards start on 16-element boundaries: aligned vector loads in the optimizer kernels and
+# O_DIRECT-friendly sizes for the later NVMe placement.
+ALIGN = 16
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    param: nn.Parameter
+    name: str
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Unit:
+    """One communication unit: its parameters, its flat buffer and this rank's shard bounds."""
+
+    index: int
+    group_index: int
+    dtype: torch.dtype
+    slots: list[Slot]
+    world_size: int
+    flat: torch.Tensor | None = None
+    numel: int = 0
+    padded_numel: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements per rank (S)."""
+        return self.padded_numel // self.world_size
+
+    def shard_bounds(self, rank: int) -> tuple[int, int]:
+        """`[start, end)` of rank `rank`'s shard in the flat buffer."""
+        s = self.shard_numel
+        return rank * s, (rank + 1) * s
+
+    def shard_view(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """The slice of a unit-sized flat `tensor` that rank `rank` owns."""
+        lo, hi = self.shard_bounds(rank)
+        return tensor[lo:hi]
+
+    def views(self, flat: torch.Tensor):
+        """Yield `(slot, view)` pairs: each parameter's shaped view into a unit-sized flat tensor."""
+        for slot in self.slots:
+            yield slot, flat[slot.offset: slot.offset + slot.numel].view(slot.shape)
+
+    def params(self) -> list[nn.Parameter]:
+        """The unit's parameters in layout order."""
+        return [s.param for s in self.slots]
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    """Round `numel` up so that it splits into `world_size` shards of ALIGN-multiple length."""
+    quantum = world_size * ALIGN
+    return max(quantum, -(-numel // quantum) * quantum)
+
+
+def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int, int],
+                world_size: int, bucket_numel: int, dtype: torch.dtype | None = None) -> list[Unit]:
+    """Pack trainable parameters into units in gradient-ready order and flatten them.
+
+    `named_params` is in registration order; `group_of` maps `id(param)` to its optimizer param-group
+    index (parameters absent from it are not managed). `dtype` casts the flat buffers (mixed
+    precision) or keeps each parameter's own dtype when None.
+    """
+    ready_order = [(n, p) for n, p in reversed(named_params) if id(p) in group_of]
+    position = {id(p): i for i, (_, p) in enumerate(ready_order)}
+    open_units: dict[tuple[int, torch.dtype], list[Slot]] = {}
+    open_numel: dict[tuple[int, torch.dtype], int] = {}
+    closed: list[tuple[int, int, torch.dtype, list[Slot]]] = []  # (ready position, group, dtype, slots)
+
+    def close(key):
+        slots = open_units.pop(key)
+        closed.append((max(position[id(s.param)] for s in slots), key[0], key[1], slots))
+        open_numel[key] = 0
+
+    for name, param in ready_order:
+        key = (group_of[id(param)], dtype or param.dtype)
+        if key in open_units and open_numel[key] + param.numel() > bucket_numel:
+            close(key)
+        slots = open_units.setdefault(key, [])
+        offset = open_numel.get(key, 0)
+        slots.append(Slot(param, name, offset, param.numel(), param.shape))
+        open_numel[key] = offset + param.numel()
+    for key in list(open_units):
+        close(key)
+    # A unit is ready when its last parameter's gradient arrives: order units by that moment.
+    closed.sort(key=lambda item: item[0])
+    units = []
+    for index, (_, group, unit_dtype, slots) in enumerate(closed):
+        unit = Unit(index, group, unit_dtype, slots, world_size)
+        unit.numel = sum(s.numel for s in slots)
+        unit.padded_numel = padded_size(unit.numel, world_size)
+        _flatten(unit)
+        units.append(unit)
+    return units
+
+
+def _flatten(unit: Unit) -> None:
+    """Allocate the unit's flat buffer, copy parameters in, and make each `param.data` a view."""
+    device = unit.slots[0].param.device
+    flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=device)
+    for slot, view in unit.views(flat):
+        view.copy_(slot.param.detach())
+        # Re-pointing .data frees the parameter's old storage: no full-size copy stays alive.
+        slot.param.data = view
+    unit.flat = flat

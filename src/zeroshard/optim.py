@@ -1,0 +1,245 @@
+"""The sharded optimizer: the user's torch optimizer re-seated over this rank's shards.
+
+`ZeroOptimizer` owns the layout (units), the stage policy and the fp32 master shards. Its `step()`
+is the same for every stage:
+  1. the policy averages gradients across ranks (all-reduce / reduce-scatter / already done);
+  2. the fp32 gradient of each owned shard is formed (a view in fp32, an upcast copy otherwise);
+  3. one scalar all-reduce gives the global gradient norm over all shards, which detects fp16
+     overflow and drives clipping; unscaling and clipping are applied as one multiply;
+  4. the user's optimizer steps over the shard parameters (fused kernel where torch has one);
+  5. in mixed precision the fp32 master shard is copied back into the compute-dtype buffer;
+  6. the policy all-gathers the updated shards (stages 1-2).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .layout import Unit, build_units
+from .policy import StagePolicy
+from .scaler import LossScaler
+from .stage0 import Stage0
+from .stage1 import Stage1
+from .stage2 import Stage2
+
+POLICIES = {0: Stage0, 1: Stage1, 2: Stage2}
+
+# Optimizers whose update of an element depends only on that element's own history: they give the
+# same result on any partition of the flat buffers.
+ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "NAdam",
+               "RAdam", "Rprop", "ASGD", "Lion"}
+# Optimizers that need whole tensors (trust ratios, factored moments, orthogonalisation, closures).
+WHOLE_TENSOR = {"lamb", "lars", "lbfgs", "adafactor", "shampoo", "muon", "novograd", "sparseadam",
+                "onebitlamb", "fusedlamb", "adan"}
+FUSED_ON_CPU = {"Adam", "AdamW", "SGD", "Adagrad"}
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient was inf/nan outside fp16 loss scaling; the step was not applied."""
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose update needs whole tensors (they would be wrong on shards)."""
+    name = type(optimizer).__name__
+    if name.lower() in WHOLE_TENSOR or isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            f"optimizer {name} needs whole parameter tensors (per-tensor norms or closures), so it "
+            "cannot step on zeroshard's flat 1/N shards. Use an elementwise optimizer (Adam, "
+            "AdamW, SGD, Adagrad, Lion, ...).")
+    if name not in ELEMENTWISE and not getattr(optimizer, "_zeroshard_elementwise", False):
+        warnings.warn(f"zeroshard: optimizer {name} is not known to be elementwise; it will step on "
+                      "flat shards. Set `_zeroshard_elementwise = True` on the class to silence this.",
+                      stacklevel=3)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Steps the user's optimizer over this rank's shards and keeps full parameters in sync.
+
+    It subclasses `torch.optim.Optimizer` only so that torch LR schedulers accept it; the
+    param groups and state it exposes are those of the re-seated user optimizer.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, stage: int,
+                 bucket_numel: int, compute_dtype: torch.dtype | None, clip_norm: float,
+                 scaler: LossScaler, overlap_comm: bool = True):
+        # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        check_elementwise(optimizer)
+        self.comm = comm
+        self.clip_norm = clip_norm
+        self.scaler = scaler
+        self.optimizer = optimizer
+        self.last_grad_norm: float | None = None
+        self.step_applied = False
+        self.steps = 0
+
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
+                    for p in group["params"] if p.requires_grad}
+        # named_parameters() yields a tied weight once, under its first name.
+        named = list(model.named_parameters())
+        self.units: list[Unit] = build_units(named, group_of, comm.world_size, bucket_numel,
+                                             compute_dtype)
+        self.policy: StagePolicy = POLICIES[stage](self.units, comm, overlap_comm)
+        self.policy.setup()
+        self.masters = self._make_masters()
+        self._reseat(optimizer)
+
+    # -- construction --------------------------------------------------------------------------
+    def _make_masters(self) -> list[nn.Parameter]:
+        masters = []
+        for unit in self.units:
+            lo, hi = self.policy.owned_bounds(unit)
+            owned = unit.flat[lo:hi]
+            # In fp32 the master *is* the owned slice of the parameter buffer: no second copy.
+            data = owned if owned.dtype == torch.float32 else owned.detach().float()
+            masters.append(nn.Parameter(data, requires_grad=True))
+        return masters
+
+    def _reseat(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point the user's param groups at the master shards (same hyper-parameters, fresh state)."""
+        groups = optimizer.param_groups
+        shards: list[list[nn.Parameter]] = [[] for _ in groups]
+        for unit, master in zip(self.units, self.masters):
+            shards[unit.group_index].append(master)
+        optimizer.state.clear()
+        use_fused = type(optimizer).__name__ in FUSED_ON_CPU and type(optimizer).__module__.startswith("torch.optim")
+        for group, params in zip(groups, shards):
+            group["params"] = params
+            if use_fused and group.get("fused") is None and not group.get("foreach") \
+                    and not group.get("differentiable"):
+                group["fused"] = True
+
+    # -- the optimizer interface users see -------------------------------------------------------
+    @property
+    def param_groups(self):
+        """The re-seated torch optimizer's param groups (LR schedulers act on these)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        """The re-seated torch optimizer's per-shard state."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear accumulated gradients (buffers are zeroed and stay attached)."""
+        self.policy.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """Average, unscale, clip and apply one optimizer step; False if fp16 overflow skipped it."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure (LBFGS-style optimizers "
+                             "need whole tensors and are not supported)")
+        self.policy.reduce_gradients()
+        grads = []
+        for unit, master in zip(self.units, self.masters):
+            grad = self.policy.grad_shard(unit)
+            master.grad = grad if grad.dtype == torch.float32 else grad.float()
+            grads.append(master.grad)
+        norm = self._global_norm(grads)
+        self.steps += 1
+        if not math.isfinite(norm):
+            self._drop_grads()
+            if self.scaler.enabled:
+                self.scaler.update(overflow=True, step=self.steps)
+                self.step_applied = False
+                self.last_grad_norm = None
+                return False
+            raise NonFiniteGradientError(self._nonfinite_message())
+        self.last_grad_norm = norm
+        factor = 1.0 / self.scaler.scale
+        if self.clip_norm > 0 and norm > self.clip_norm:
+            factor *= self.clip_norm / (norm + 1e-6)
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        self.optimizer.step()
+        self._drop_grads()
+        for unit, master in zip(self.units, self.masters):
+            lo, hi = self.policy.owned_bounds(unit)
+            if master.data_ptr() != unit.flat[lo:hi].data_ptr():
+                unit.flat[lo:hi].copy_(master)
+        self.policy.gather_params()
+        self.scaler.update(overflow=False, step=self.steps)
+        self.step_applied = True
+        return True
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm of the unscaled gradient over all shards of all ranks."""
+        if not grads:
+            return 0.0
+        local = torch.stack([g.pow(2).sum() for g in grads]).double().sum().reshape(1)
+        if self.policy.shards_optimizer:
+            self.comm.all_reduce(local)
+        total = local.item()
+        return math.sqrt(total) / self.scaler.scale if math.isfinite(total) else math.inf
+
+    def _drop_grads(self) -> None:
+        for master in self.masters:
+            master.grad = None
+
+    def _nonfinite_message(self) -> str:
+        bad = [self._describe(u) for u in self.units if not self.policy.unit_grad_is_finite(u)]
+        where = f" on rank {self.comm.rank} in {', '.join(bad[:3])}" if bad else \
+            f" on another rank than {self.comm.rank}"
+        return (f"gradient norm is inf/nan at optimizer step {self.steps}{where}; the step was not "
+                "applied and parameters are unchanged. Check the loss for nan/inf (bad batch, "
+                "log of 0, too high learning rate) or use fp16 loss scaling / bf16.")
+
+    @staticmethod
+    def _describe(unit: Unit) -> str:
+        names = [s.name for s in unit.slots]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return f"unit {unit.index} ({shown})"
+
+    # -- ledger ----------------------------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Optimizer state tensors (and fp32 masters that are separate copies)."""
+        out = [t for state in self.optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t)]
+        out += [m.data for m in self.masters]
+        return out
+
+    def close(self) -> None:
+        """Remove the policy's hooks."""
+        self.policy.close()
+
+
+def build_optimizer(spec, params) -> torch.optim.Optimizer:
+    """Build a torch optimizer from the config's `optimizer` block, with DeepSpeed's meanings."""
+    kind = spec.type.lower()
+    hp = dict(spec.params)
+    if kind == "adam":
+        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false.
+        adam_w_mode = hp.pop("adam_w_mode", True)
+        hp.pop("torch_adam", None)
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        hp.setdefault("weight_decay", 0.0)  # DeepSpeed's default, not torch AdamW's 0.01
+    elif kind == "adamw":
+        hp.pop("adam_w_mode", None)
+        hp.pop("torch_adam", None)
+        cls = torch.optim.AdamW
+        hp.setdefault("weight_decay", 0.0)
+    elif kind == "sgd":
+        cls = torch.optim.SGD
+    elif kind == "adagrad":
+        cls = torch.optim.Adagrad
+    else:
+        raise ValueError(
+            f"optimizer.type {spec.type!r} is not available in zeroshard: it needs whole tensors "
+            "or DeepSpeed's custom kernels. Use Adam, AdamW, SGD or Adagrad, or pass a torch "
+            "optimizer instance to initialize(optimizer=...).")
+    try:
+        return cls(params, **hp)
+    except TypeError as err:
+        raise ValueError(f"optimizer.params for {spec.type}: {err}") from None

@@ -1,0 +1,103 @@
+"""What every stage policy shares: which slice of each unit a rank owns and how gradients arrive.
+
+A stage is a policy over the one layout of `layout.py`. It decides where gradients accumulate
+(full per-unit buffers, or only this rank's shard), which collective averages them, and whether the
+updated shards must be all-gathered after the optimizer step. The optimizer (`optim.py`) asks a
+policy for three things: `reduce_gradients()` at the accumulation boundary, `grad_shard(unit)` (the
+averaged gradient of the slice this rank steps), and `gather_params()` after the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm
+from .layout import Unit
+
+
+class StagePolicy:
+    """Base policy: full gradient buffers with parameter `.grad` views into them."""
+
+    stage = -1
+    #: Each rank steps only its 1/N shard (stages >= 1) rather than the whole unit (stage 0).
+    shards_optimizer = True
+
+    def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True):
+        self.units = units
+        self.comm = comm
+        self.overlap = overlap_comm
+        self.hooks = []
+
+    # -- ownership -----------------------------------------------------------------------------
+    def owned_bounds(self, unit: Unit) -> tuple[int, int]:
+        """`[start, end)` of the flat buffer this rank steps."""
+        if self.shards_optimizer:
+            return unit.shard_bounds(self.comm.rank)
+        return 0, unit.padded_numel
+
+    # -- interface the optimizer calls ---------------------------------------------------------
+    def setup(self) -> None:
+        """Allocate gradient storage and register hooks."""
+        self.flat_grads = []
+        for unit in self.units:
+            flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.flat.device)
+            for slot, view in unit.views(flat):
+                # autograd accumulates in place into an existing .grad, so this is zero-copy.
+                slot.param.grad = view
+                self.hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    _reattach_hook(view)))
+            self.flat_grads.append(flat)
+
+    def reduce_gradients(self) -> None:
+        """Average gradients across ranks at the accumulation boundary."""
+        raise NotImplementedError
+
+    def grad_shard(self, unit: Unit) -> torch.Tensor:
+        """This rank's averaged gradient for the slice it steps (compute dtype)."""
+        lo, hi = self.owned_bounds(unit)
+        return self.flat_grads[unit.index][lo:hi]
+
+    def gather_params(self) -> None:
+        """Make full parameters current again after the optimizer updated this rank's shards."""
+        handles = []
+        for unit in self.units:
+            lo, hi = unit.shard_bounds(self.comm.rank)
+            handles.append(self.comm.all_gather(unit.flat, unit.flat[lo:hi], async_op=True))
+        _wait(handles)
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients (keeping the views attached)."""
+        for flat in self.flat_grads:
+            flat.zero_()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Gradient storage this policy keeps between steps (for the memory ledger)."""
+        return list(self.flat_grads)
+
+    def unit_grad_is_finite(self, unit: Unit) -> bool:
+        """Whether this rank's gradient slice of `unit` is free of inf/nan (error reporting only)."""
+        return bool(torch.isfinite(self.grad_shard(unit)).all())
+
+    def close(self) -> None:
+        """Remove hooks (used when an engine is torn down)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+
+
+def _reattach_hook(view: torch.Tensor):
+    """After `model.zero_grad(set_to_none=True)` autograd hands a fresh tensor: fold it back in."""
+
+    def hook(param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    return hook
+
+
+def _wait(handles) -> None:
+    for handle in handles:
+        if handle is not None:
+            handle.wait()

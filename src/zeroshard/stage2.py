@@ -1,0 +1,120 @@
+"""ZeRO stage 2: gradients and optimizer state sharded; reduce-scatter during backward.
+
+Communication plan, per micro-step and per optimizer step:
+  1. backward: when a parameter's gradient is ready (post-accumulate-grad hook) it is added into a
+     transient full-size buffer of its unit and the parameter's own `.grad` is dropped.
+  2. as soon as a unit's gradients are all in, and every unit before it in the layout's
+     gradient-ready order has been launched, its buffer is reduce-scattered (asynchronously, so
+     backward goes on computing): rank r receives the sum of its slice, divides by N and adds it
+     into its persistent gradient shard; the transient buffer is freed. Launching in the layout's
+     fixed order keeps the collectives in the same order on every rank even when autograd visits
+     units in another order or some parameters get no gradient. Ring cost per micro-step:
+     Psi x (N-1)/N elements per rank.
+  3. end of backward (an autograd callback): units still incomplete (unused parameters) are
+     launched with zeros where gradients are missing, and all reduce-scatters are waited for.
+  4. step (accumulation boundary): rank r steps only its shard.
+  5. all-gather every unit's updated shards into the full flat parameter buffer, in place.
+     Ring cost: Psi x (N-1)/N elements per rank.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+
+import torch
+from torch.autograd import Variable
+
+from .layout import Unit
+from .policy import StagePolicy
+
+# Reduce-scatters in flight during backward: overlap without keeping many unit buffers alive.
+MAX_IN_FLIGHT = 2
+
+
+class Stage2(StagePolicy):
+    """Full params; gradient and optimizer shards; reduce-scatter per unit during backward."""
+
+    stage = 2
+
+    def setup(self) -> None:
+        """Allocate persistent gradient shards and hook every managed parameter."""
+        self.grad_shards = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.flat.device)
+                            for u in self.units]
+        self.buffers: dict[int, torch.Tensor] = {}  # unit index -> transient full gradient
+        self.missing = [len(u.slots) for u in self.units]
+        self.next_launch = 0
+        self.in_flight = deque()
+        self.callback_queued = False
+        self.peak_buffer_bytes = 0
+        for unit in self.units:
+            for slot in unit.slots:
+                slot.param.grad = None
+                self.hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    partial(self._on_grad_ready, unit, slot)))
+
+    # -- backward ------------------------------------------------------------------------------
+    def _on_grad_ready(self, unit: Unit, slot, param: torch.nn.Parameter) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        buffer = self._buffer(unit)
+        buffer[slot.offset: slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+        self.missing[unit.index] -= 1
+        self._launch(force=False)
+
+    def _buffer(self, unit: Unit) -> torch.Tensor:
+        buffer = self.buffers.get(unit.index)
+        if buffer is None:
+            buffer = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.flat.device)
+            self.buffers[unit.index] = buffer
+            held = sum(b.numel() * b.element_size() for b in self.buffers.values())
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
+        return buffer
+
+    def _launch(self, force: bool) -> None:
+        while self.next_launch < len(self.units):
+            unit = self.units[self.next_launch]
+            if self.missing[unit.index] > 0 and not force:
+                return
+            buffer = self._buffer(unit)
+            del self.buffers[unit.index]
+            received = torch.empty(unit.shard_numel, dtype=unit.dtype, device=buffer.device)
+            handle = self.comm.reduce_scatter(received, buffer, async_op=True)
+            self.in_flight.append((unit, buffer, received, handle))
+            self.next_launch += 1
+            while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
+                self._land()
+
+    def _land(self) -> None:
+        unit, _buffer, received, handle = self.in_flight.popleft()
+        if handle is not None:
+            handle.wait()
+        # The transient buffer dies with this frame: only the shard-sized sum stays.
+        self.grad_shards[unit.index].add_(received.div_(self.comm.world_size))
+
+    def _end_of_backward(self) -> None:
+        self._launch(force=True)
+        while self.in_flight:
+            self._land()
+        self.missing = [len(u.slots) for u in self.units]
+        self.next_launch = 0
+        self.callback_queued = False
+
+    # -- interface -------------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Nothing left to do: every backward already reduce-scattered into the shards."""
+
+    def grad_shard(self, unit: Unit) -> torch.Tensor:
+        """This rank's persistent, already averaged gradient shard."""
+        return self.grad_shards[unit.index]
+
+    def zero_grad(self) -> None:
+        """Clear the gradient shards."""
+        for shard in self.grad_shards:
+            shard.zero_()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The persistent gradient shards (transient unit buffers are reported separately)."""
+        return list(self.grad_shards)

@@ -1,0 +1,73 @@
+"""Spawn a world of N real gloo ranks on CPU once, run many cases inside it, return rank results.
+
+Starting ranks costs seconds on 2 cores, so a test module spawns each world size once (in a
+module-scoped fixture), runs every case in that world, and its tests assert on the results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), ZEROSHARD_QUIET="1")
+    torch.set_num_threads(1)
+    # A short collective timeout turns a rank stuck on a failed peer into an error, not a hang.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        result = fn(rank, world_size, *args)
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - the parent re-raises with the rank's traceback
+        payload = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(payload, fh)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_world(world_size: int, fn, *args, timeout: float = 600) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        _join(ctx, timeout)
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} of {world_size} wrote no result (crashed?)")
+            with open(path, "rb") as fh:
+                status, value = pickle.load(fh)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+def _join(ctx, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            raise TimeoutError(f"world did not finish within {timeout:.0f}s")

@@ -1,0 +1,97 @@
+"""Memory and comm ledgers reproduce the ZeRO ratios, derived here from the parameter count.
+
+Expected bytes come from Psi (the model's parameter count) and the paper's formulas; the only
+allowance is padding (one unit, so at most N x 16 elements per buffer) and a few scalars.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from tests.harness import run_world
+
+WORLDS = (2, 4)
+PAD = 16  # elements of alignment per shard: the padding allowance per rank per unit
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def _measure(rank, world):
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for stage in (0, 1, 2):
+            model = _model()
+            psi = sum(p.numel() for p in model.parameters())
+            config = {"train_micro_batch_size_per_gpu": 4,
+                      "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**9},
+                      "bf16": {"enabled": precision == "bf16"}}
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                config=config)
+            x = torch.randn(4, 64)
+            for step in range(3):
+                before = engine.comm_report()["total"]
+                engine.backward(engine(x).float().pow(2).mean())
+                engine.step()
+                comm = engine.comm_report()["total"] - before
+            report = engine.memory_report()
+            out[(precision, stage)] = {
+                "psi": psi, "comm": comm,
+                **{kind: sum(report[kind].values()) for kind in ("params", "grads", "optimizer")}}
+            engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"world{n}")
+def ledgers(request):
+    """Rank 0's ledgers after three steps, for every precision and stage, at one world size."""
+    return request.param, run_world(request.param, _measure)[0]
+
+
+def _close(measured: int, expected: float, slack_bytes: float) -> bool:
+    return expected - 1 <= measured <= expected + slack_bytes
+
+
+@pytest.mark.parametrize("precision,elem", [("fp32", 4), ("bf16", 2)])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_matches_zero_formulas(ledgers, precision, elem, stage):
+    n, result = ledgers
+    got = result[(precision, stage)]
+    psi = got["psi"]
+    pad = n * PAD  # a single unit pads by fewer than N*16 elements
+    # Parameters are whole on every rank at stages 0-2, in the compute dtype.
+    assert _close(got["params"], elem * psi, elem * pad)
+    # Gradients: whole (stages 0-1) or 1/N (stage 2), in the compute dtype.
+    grad_share = psi / n if stage == 2 else psi
+    assert _close(got["grads"], elem * grad_share, elem * pad)
+    # Optimizer: Adam m and v in fp32 (8 bytes), plus an fp32 master copy in mixed precision
+    # (the paper's K = 12); whole at stage 0, 1/N from stage 1.
+    k = 8 if precision == "fp32" else 12
+    opt_share = psi if stage == 0 else psi / n
+    assert _close(got["optimizer"], k * opt_share, k * pad + 64), (got["optimizer"], k * opt_share)
+
+
+@pytest.mark.parametrize("precision,elem", [("fp32", 4), ("bf16", 2)])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_comm_per_step_is_two_psi(ledgers, precision, elem, stage):
+    n, result = ledgers
+    got = result[(precision, stage)]
+    expected = 2 * got["psi"] * elem * (n - 1) / n
+    # Allowance: padding of the one unit, and the scalar norm all-reduce (8 bytes, ring x2).
+    slack = 2 * n * PAD * elem + 2 * 8
+    assert expected - 1 <= got["comm"] <= expected + slack, (got["comm"], expected)
+
+
+def test_stage_ratios(ledgers):
+    n, result = ledgers
+    s0, s1, s2 = (result[("fp32", s)] for s in (0, 1, 2))
+    assert s1["optimizer"] == pytest.approx(s0["optimizer"] / n, rel=0.01)
+    assert s2["grads"] == pytest.approx(s0["grads"] / n, rel=0.01)
+    assert s0["params"] == s1["params"] == s2["params"]

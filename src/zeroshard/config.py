@@ -1,0 +1,581 @@
+"""DeepSpeed-format JSON config for zeroshard.
+
+Pydantic models of the DeepSpeed config keys that zeroshard reads, ``load_config`` (dict, path or
+None -> validated ``ZeroConfig`` with the batch-size rule resolved), errors that name the key path
+and suggest the right spelling, one-line ``ConfigWarning``s for keys DeepSpeed accepts but that do
+nothing here, and ``require_supported``, the one place that says what the engine cannot do yet.
+"""
+
+import difflib
+import json
+import os
+import sys
+import warnings
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError", "NotSupportedYetError", "ConfigWarning", "load_config", "require_supported",
+    "ZeroConfig", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig",
+    "ZeroOptimizationConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "AioConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the key path, the bad value and what to do."""
+
+
+class NotSupportedYetError(ConfigError):
+    """A valid DeepSpeed setting the engine cannot run yet; message starts 'not supported yet: '."""
+
+
+class ConfigWarning(UserWarning):
+    """Category of the one-line notices about config keys that have no effect here."""
+
+
+# -- Value checks. Own validators instead of pydantic's lax coercion: DeepSpeed JSON writes
+# sizes as 2e8 (a float), but "yes" must not become True and 2.5 must not become 2.
+
+def _auto_error(what: str) -> ValueError:
+    return ValueError(f"'auto' values are resolved by the Hugging Face integration; give {what}")
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(lo: int | None = None, hi: int | None = None):
+    def check(v: Any) -> int:
+        if v == "auto":
+            raise _auto_error("a number")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a whole number, got {_show(v)}")
+        if isinstance(v, float):
+            if not v.is_integer():
+                raise ValueError("expected a whole number (integral floats like 2e8 are fine)")
+            v = int(v)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+            raise ValueError(f"must be {bound}")
+        return v
+    return Annotated[int, BeforeValidator(check)]
+
+
+def _float(lo: float | None = None, *, above: bool = False, hi: float | None = None):
+    def check(v: Any) -> float:
+        if v == "auto":
+            raise _auto_error("a number")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise ValueError(f"expected a number, got {_show(v)}")
+        if lo is not None and (v <= lo if above else v < lo):
+            raise ValueError(f"must be {'greater than' if above else 'at least'} {lo}")
+        if hi is not None and v > hi:
+            raise ValueError(f"must be at most {hi}")
+        return float(v)
+    return Annotated[float, BeforeValidator(check)]
+
+
+def _check_bool(v: Any) -> bool:
+    if v == "auto":
+        raise _auto_error("true or false")
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false (a JSON boolean), got {_show(v)}")
+    return v
+
+
+def _check_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {_show(v)}")
+    return v
+
+
+def _check_names(v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError("expected a list of module class names (strings)")
+    return v
+
+
+def _choice(*options: str, aliases: dict[str, str] | None = None):
+    def check(v: Any) -> str:
+        key = v.lower() if isinstance(v, str) else v
+        key = (aliases or {}).get(key, key)
+        if key not in options:
+            raise ValueError("expected one of " + ", ".join(repr(o) for o in options))
+        return key
+    return BeforeValidator(check)
+
+
+Bool = Annotated[bool, BeforeValidator(_check_bool)]
+Str = Annotated[str, BeforeValidator(_check_str)]
+AnyInt = _int()
+NonNegInt = _int(0)
+PosInt = _int(1)
+NonNegFloat = _float(0.0)
+PosFloat = _float(0.0, above=True)
+Device = Annotated[Literal["none", "cpu", "nvme"], _choice("none", "cpu", "nvme")]
+_DTYPE = _choice("fp32", "fp16", "bf16", aliases={"bfp16": "bf16"})
+
+# Canonical spellings; DeepSpeed matches optimizer names case-insensitively.
+DEEPSPEED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "OneBitAdam",
+                        "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD")
+DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+
+
+def _match_name(kind: str, names: tuple[str, ...]):
+    by_lower = {n.lower(): n for n in names}
+
+    def check(v: Any) -> str:
+        if not isinstance(v, str):
+            raise ValueError(f"expected a {kind} name (string), got {_show(v)}")
+        if v.lower() in by_lower:
+            return by_lower[v.lower()]
+        close = difflib.get_close_matches(v.lower(), list(by_lower), n=3, cutoff=0.6)
+        known = ", ".join(names)
+        hint = (" — did you mean " + " or ".join(repr(by_lower[c]) for c in close)
+                + f"? (known: {known})" if close else f"; known: {known}")
+        raise ValueError(f"unknown {kind} type{hint}")
+    return BeforeValidator(check)
+
+
+# -- Schema
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class FP16Config(_Block):
+    """fp16 mixed precision; loss_scale 0 = dynamic scaling from 2**initial_scale_power."""
+    enabled: Bool = False
+    loss_scale: NonNegFloat = 0.0
+    initial_scale_power: NonNegInt = 16
+    loss_scale_window: PosInt = 1000
+    hysteresis: PosInt = 2
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: PosFloat = 1.0
+    auto_cast: Bool = False
+
+
+class BF16Config(_Block):
+    """bf16 mixed precision (no loss scaling needed)."""
+    enabled: Bool = False
+
+
+class OptimizerConfig(_Block):
+    """Optimizer the engine builds when the user passes none: DeepSpeed name plus kwargs."""
+    type: Annotated[str, _match_name("optimizer", DEEPSPEED_OPTIMIZERS)]
+    params: dict[str, Any] = {}
+
+
+class SchedulerConfig(_Block):
+    """Learning-rate scheduler by DeepSpeed name plus its kwargs."""
+    type: Annotated[str, _match_name("scheduler", DEEPSPEED_SCHEDULERS)]
+    params: dict[str, Any] = {}
+
+
+class _NvmeBlock(_Block):
+    @model_validator(mode="after")
+    def _nvme_needs_path(self):
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path (a directory on a fast local disk)")
+        return self
+
+
+class OffloadOptimizerConfig(_NvmeBlock):
+    """Where the fp32 master weights and optimizer state of each shard live (ZeRO-Offload)."""
+    device: Device = "none"
+    nvme_path: Str | None = None
+    buffer_count: PosInt = 4
+    pin_memory: Bool = False
+    pipeline_read: Bool = False
+    pipeline_write: Bool = False
+    fast_init: Bool = False
+    ratio: _float(0.0, hi=1.0) = 1.0
+
+
+class OffloadParamConfig(_NvmeBlock):
+    """Where stage-3 parameter shards live (ZeRO-Infinity); ignored below stage 3."""
+    device: Device = "none"
+    nvme_path: Str | None = None
+    buffer_count: PosInt = 5
+    buffer_size: PosInt = 100_000_000
+    max_in_cpu: NonNegInt = 1_000_000_000
+    pin_memory: Bool = False
+
+
+class AioConfig(_Block):
+    """Asynchronous I/O settings for NVMe offload."""
+    block_size: PosInt = 1_048_576
+    queue_depth: PosInt = 8
+    thread_count: PosInt = 1
+    single_submit: Bool = False
+    overlap_events: Bool = True
+    intra_op_parallelism: PosInt = 1
+    use_gds: Bool = False
+
+
+class ZeroOptimizationConfig(_Block):
+    """The ``zero_optimization`` block: stage, buckets, offload and the stage-3 knobs."""
+    stage: _int(0, 3) = 0
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    reduce_bucket_size: PosInt = 500_000_000
+    allgather_partitions: Bool = True
+    allgather_bucket_size: PosInt = 500_000_000
+    overlap_comm: Bool | None = None
+    load_from_fp32_weights: Bool = True
+    elastic_checkpoint: Bool = False
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+    sub_group_size: NonNegInt = 1_000_000_000
+    round_robin_gradients: Bool = False
+    ignore_unused_parameters: Bool = True
+    cpu_offload: Bool | None = None
+    """Legacy DeepSpeed switch; true means offload_optimizer.device='cpu'."""
+    stage3_max_live_parameters: NonNegInt = 1_000_000_000
+    stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    stage3_prefetch_bucket_size: NonNegInt = 50_000_000
+    stage3_param_persistence_threshold: NonNegInt = 100_000
+    stage3_model_persistence_threshold: NonNegInt = sys.maxsize
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    stage3_module_granularity_threshold: NonNegInt = 0
+    stage3_use_all_reduce_for_fetch_params: Bool = False
+    zero_hpz_partition_size: PosInt = 1
+    zero_quantized_weights: Bool = False
+    zero_quantized_gradients: Bool = False
+    mics_shard_size: _int(-1) = -1
+    memory_efficient_linear: Bool = True
+    zeroshard_unit_classes: Annotated[list[str], BeforeValidator(_check_names)] | None = None
+    """zeroshard only: module class names (e.g. ["GPT2Block"]) whose instances each become one
+    stage-3 unit, gathered and released together; None picks units by size."""
+
+    @model_validator(mode="after")
+    def _legacy_cpu_offload(self):
+        if self.cpu_offload:
+            if self.offload_optimizer is None:
+                self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+            elif self.offload_optimizer.device != "cpu":
+                raise ValueError("cpu_offload=true contradicts offload_optimizer.device="
+                                 f"'{self.offload_optimizer.device}'; drop cpu_offload")
+        return self
+
+
+class ZeroConfig(_Block):
+    """A whole validated config; after ``load_config`` the three batch sizes are resolved ints."""
+    train_batch_size: PosInt | None = None
+    train_micro_batch_size_per_gpu: PosInt | None = None
+    gradient_accumulation_steps: PosInt | None = None
+    gradient_clipping: NonNegFloat = 0.0
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+    steps_per_print: PosInt = 10
+    wall_clock_breakdown: Bool = False
+    prescale_gradients: Bool = False
+    gradient_predivide_factor: PosFloat = 1.0
+    communication_data_type: Annotated[str, _DTYPE] | None = None
+    zero_allow_untested_optimizer: Bool = False
+    zero_force_ds_cpu_optimizer: Bool = True
+    seed: AnyInt | None = None
+
+    @model_validator(mode="after")
+    def _one_precision(self):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+    def to_dict(self) -> dict:
+        """The resolved config as a plain JSON-able dict that ``load_config`` accepts again."""
+        # Keys that are inert at this stage and still at their default are left out, so that
+        # reloading the dict does not warn about keys the user never wrote.
+        exclude: dict[str, Any] = {}
+        for path, key, fires, _ in _INERT_VALUES:
+            block = _block(self, path)
+            value = getattr(block, key)
+            if fires(value, self) and value == type(block).model_fields[key].default:
+                node = exclude
+                for part in filter(None, path.split(".")):
+                    node = node.setdefault(part, {})
+                node[key] = True
+        return self.model_dump(mode="json", exclude=exclude)
+
+
+_SCHEMA: dict[str, type[BaseModel]] = {
+    "": ZeroConfig, "fp16": FP16Config, "bf16": BF16Config, "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig, "zero_optimization": ZeroOptimizationConfig, "aio": AioConfig,
+    "zero_optimization.offload_optimizer": OffloadOptimizerConfig,
+    "zero_optimization.offload_param": OffloadParamConfig,
+}
+
+# Other spellings DeepSpeed accepts for the same setting (alias -> our field).
+_ALIASES: dict[str, dict[str, str]] = {
+    "": {"bfloat16": "bf16"},
+    "zero_optimization": {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "model_persistence_threshold": "stage3_model_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "module_granularity_threshold": "stage3_module_granularity_threshold",
+        "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    },
+}
+
+# -- Keys DeepSpeed accepts that do nothing here: the one list to edit when a feature lands.
+# Each warns once per load. Templates may use {full} (key path), {key} and {stage}.
+
+_NO_EFFECT = "{full} has no effect in zeroshard; ignored"
+
+# Keys that are not part of our schema at all; they are dropped after the warning.
+_INERT_KEYS: dict[str, dict[str, str]] = {
+    "": {k: _NO_EFFECT for k in (
+        "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+        "comet", "comms_logger", "amp", "sparse_attention", "pipeline", "elasticity",
+        "data_efficiency", "curriculum_learning", "compression_training", "autotuning",
+        "checkpoint", "data_types", "dump_state", "sparse_gradients", "memory_breakdown",
+        "disable_allgather", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop",
+        "quantize_training", "hybrid_engine", "nebula", "compile", "weight_quantization",
+        "torch_autocast", "graph_harvesting", "timers", "tensor_parallel",
+        "seq_parallel_communication_data_type")},
+    "fp16": {"fp16_master_weights_and_grads": _NO_EFFECT},
+    "bf16": {"immediate_grad_update": _NO_EFFECT},
+    "optimizer": {"legacy_fusion": _NO_EFFECT},
+    "zero_optimization": {k: _NO_EFFECT for k in (
+        "legacy_stage1", "cpu_offload_params", "cpu_offload_use_pin_memory",
+        "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
+        "zeropp_loco_param", "log_trace_cache_warnings", "pipeline_loading_checkpoint",
+        "override_module_apply")},
+}
+
+_STAGE3_ONLY = "{full} only applies to ZeRO stage 3; ignored at stage {stage} (no effect here)"
+
+
+# Fields of our schema that are stored but inert when fires(value, cfg) is true and the key was
+# written in the config: (block path, key, fires, message template).
+_INERT_VALUES: list[tuple[str, str, Any, str]] = [
+    *[("zero_optimization", k, lambda v, c: c.zero_optimization.stage < 3, _STAGE3_ONLY) for k in (
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+        "stage3_gather_16bit_weights_on_model_save", "stage3_module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "memory_efficient_linear",
+        "zeroshard_unit_classes")],
+    ("zero_optimization", "offload_param",
+     lambda v, c: v is not None and v.device != "none" and c.zero_optimization.stage < 3,
+     "offload_param only applies to ZeRO stage 3; ignored at stage {stage} "
+     "({full} has no effect here)"),
+    ("zero_optimization", "offload_optimizer",
+     lambda v, c: v is not None and v.device != "none" and c.zero_optimization.stage == 0,
+     "offload_optimizer only applies to ZeRO stages 1-3; ignored at stage 0 "
+     "({full} has no effect here)"),
+    ("zero_optimization", "cpu_offload", lambda v, c: v is not None,
+     "{full} is a deprecated DeepSpeed key (true means zero_optimization.offload_optimizer.device="
+     "'cpu'); write offload_optimizer instead"),
+    ("zero_optimization", "round_robin_gradients", lambda v, c: v, _NO_EFFECT),
+    ("zero_optimization", "elastic_checkpoint", lambda v, c: v,
+     "{full} has no effect in zeroshard (checkpoints always reshard on load); ignored"),
+    ("zero_optimization", "zero_quantized_weights", lambda v, c: v, _NO_EFFECT),
+    ("zero_optimization", "zero_quantized_gradients", lambda v, c: v, _NO_EFFECT),
+    ("zero_optimization", "zero_hpz_partition_size", lambda v, c: v != 1, _NO_EFFECT),
+    ("zero_optimization", "mics_shard_size", lambda v, c: v > 0, _NO_EFFECT),
+    ("fp16", "auto_cast", lambda v, c: v,
+     "{full} has no effect in zeroshard (inputs are not cast for you); ignored"),
+    ("", "zero_allow_untested_optimizer", lambda v, c: v,
+     "{full} has no effect in zeroshard (any elementwise torch.optim optimizer is sharded); "
+     "ignored"),
+]
+
+
+def _block(cfg: ZeroConfig, path: str) -> BaseModel:
+    for part in filter(None, path.split(".")):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+# -- Loading
+
+def _read(config: Any) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, ZeroConfig):
+        return config.to_dict()
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file '{path}' does not exist; pass an existing JSON file "
+                              "or a dict") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not valid JSON: {e.msg} at line {e.lineno} "
+                              f"column {e.colno}; fix the file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file '{path}' cannot be read: {e}") from None
+        source = f"config file '{path}'"
+    else:
+        source = "config"
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source} must be a JSON object (dict) of DeepSpeed keys, "
+                          f"got {type(config).__name__}")
+    return config
+
+
+def _check_keys(raw: dict, path: str, problems: list[str], inert: list[str]) -> dict:
+    """Return raw with aliases renamed and inert keys dropped; note unknown keys in problems."""
+    cls = _SCHEMA[path]
+    aliases = _ALIASES.get(path, {})
+    inert_here = _INERT_KEYS.get(path, {})
+    out: dict = {}
+    for key, value in raw.items():
+        key = str(key)
+        full = _join(path, key)
+        if key in aliases:
+            target = aliases[key]
+            if target in raw and raw[target] != value:
+                problems.append(f"'{full}' and '{_join(path, target)}' are the same setting with "
+                                f"different values ({_show(value)} vs {_show(raw[target])}); "
+                                "keep one")
+            key = target
+        if key in cls.model_fields:
+            child = _join(path, key)
+            if child in _SCHEMA and isinstance(value, dict):
+                value = _check_keys(value, child, problems, inert)
+            out[key] = value
+        elif key in inert_here:
+            inert.append(inert_here[key].format(full=full, key=key))
+        else:
+            # Real field names first: an alias or inert key is a worse suggestion than a field.
+            close = (difflib.get_close_matches(key, list(cls.model_fields), n=2, cutoff=0.6)
+                     or difflib.get_close_matches(key, [*aliases, *inert_here], n=2, cutoff=0.6))
+            if close:
+                hint = " — did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+            else:
+                where = f" in {path}" if path else ""
+                hint = f"; valid keys{where}: " + ", ".join(cls.model_fields)
+            problems.append(f"unknown key '{full}'{hint} (fix the spelling or remove it)")
+    return out
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _explain(err: ValidationError) -> list[str]:
+    """Turn pydantic's errors into one plain line each: key path, value, expectation."""
+    lines = []
+    for e in err.errors(include_url=False):
+        path = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in e["loc"])
+        path = path.replace(".[", "[")
+        kind, msg = e["type"], e["msg"]
+        if kind == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif kind in ("model_type", "dict_type", "model_attributes_type"):
+            msg = "expected a JSON object {...}"
+        elif kind == "missing":
+            lines.append(f"{path}: required key is missing")
+            continue
+        elif kind == "extra_forbidden":
+            msg = "unknown key"
+        else:
+            msg = msg[:1].lower() + msg[1:]
+        if not path:
+            lines.append(msg)
+        elif isinstance(e.get("input"), dict) and kind == "value_error":
+            lines.append(f"{path}: {msg}")
+        else:
+            lines.append(f"{path} = {_show(e.get('input'))}: {msg}")
+    return lines
+
+
+def _raise(problems: list[str]) -> None:
+    if len(problems) == 1:
+        raise ConfigError(f"invalid config: {problems[0]}")
+    raise ConfigError(f"invalid config ({len(problems)} problems):\n  - "
+                      + "\n  - ".join(problems))
+
+
+def _warn(message: str, stacklevel: int = 3) -> None:
+    warnings.warn(message, ConfigWarning, stacklevel=stacklevel)
+
+
+def _resolve_batch(tbs: int | None, micro: int | None, gas: int | None,
+                   world_size: int) -> tuple[int, int, int]:
+    """DeepSpeed's rule: train_batch_size = micro * accumulation * world_size."""
+    def fail(why: str) -> ConfigError:
+        given = lambda v: "not given" if v is None else v  # noqa: E731
+        return ConfigError(
+            f"batch sizes {why}: train_batch_size={given(tbs)}, train_micro_batch_size_per_gpu="
+            f"{given(micro)}, gradient_accumulation_steps={given(gas)}, world_size={world_size}; "
+            "train_batch_size must equal train_micro_batch_size_per_gpu x "
+            "gradient_accumulation_steps x world_size — fix one value or drop one to have it "
+            "computed")
+
+    if tbs is not None and micro is not None and gas is not None:
+        if tbs != micro * gas * world_size:
+            raise fail(f"contradict each other ({micro} x {gas} x {world_size} = "
+                       f"{micro * gas * world_size}, not {tbs})")
+        return tbs, micro, gas
+    if tbs is not None:
+        per_rank = micro if micro is not None else gas if gas is not None else 1
+        if tbs % (per_rank * world_size):
+            raise fail(f"do not divide ({tbs} is not a multiple of {per_rank} x {world_size})")
+        third = tbs // (per_rank * world_size)
+        return (tbs, micro, third) if micro is not None else (tbs, third, gas or 1)
+    if micro is None and gas is None:
+        _warn(f"no batch size given (train_batch_size, train_micro_batch_size_per_gpu, "
+              f"gradient_accumulation_steps); using micro batch 1, accumulation 1, "
+              f"train_batch_size {world_size} (= world size)", stacklevel=4)
+    micro, gas = micro or 1, gas or 1
+    return micro * gas * world_size, micro, gas
+
+
+def load_config(config: Any = None, world_size: int = 1) -> ZeroConfig:
+    """Validate a DeepSpeed-format config (dict, JSON path, ZeroConfig or None) into ZeroConfig."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+    raw = _read(config)
+    problems: list[str] = []
+    inert: list[str] = []
+    cleaned = _check_keys(raw, "", problems, inert)
+    try:
+        cfg = ZeroConfig.model_validate(cleaned)
+    except ValidationError as e:
+        problems.extend(_explain(e))
+    if problems:
+        _raise(problems)
+    tbs, micro, gas = _resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                     cfg.gradient_accumulation_steps, world_size)
+    # Notices only once the config is known to load, so that a failing load prints just the error.
+    for message in inert:
+        _warn(message)
+    stage = cfg.zero_optimization.stage
+    for path, key, fires, template in _INERT_VALUES:
+        block = _block(cfg, path)
+        if key in block.model_fields_set and fires(getattr(block, key), cfg):
+            _warn(template.format(full=_join(path, key), key=key, stage=stage))
+    return cfg.model_copy(update={"train_batch_size": tbs, "train_micro_batch_size_per_gpu": micro,
+                                  "gradient_accumulation_steps": gas})
+
+
+def require_supported(cfg: ZeroConfig) -> None:
+    """Raise NotSupportedYetError for valid settings the engine cannot run yet (edit only here)."""
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        raise NotSupportedYetError("not supported yet: ZeRO stage 3 (zero_optimization.stage=3)")
+    opt = zero.offload_optimizer
+    if opt is not None and opt.device in ("cpu", "nvme") and zero.stage > 0:
+        raise NotSupportedYetError(f"not supported yet: optimizer offload to {opt.device} "
+                                   "(zero_optimization.offload_optimizer.device)")
+    par = zero.offload_param
+    if par is not None and par.device in ("cpu", "nvme") and zero.stage == 3:
+        raise NotSupportedYetError(f"not supported yet: parameter offload to {par.device} "
+                                   "(zero_optimization.offload_param.device)")

@@ -264,14 +264,14 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
     model.to(device)
     torch_opt = _make_optimizer(optimizer, model_parameters, model, cfg)
     _check_owned(torch_opt, model)
-    if dtype is not None:
-        model.to(dtype)
     zero = cfg.zero_optimization
     scaler = LossScaler.from_config(cfg.fp16)
     zopt = ZeroOptimizer(model, torch_opt, comm, stage=zero.stage,
                          bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
                          clip_norm=cfg.gradient_clipping, scaler=scaler,
                          overlap_comm=zero.overlap_comm is not False)
+    if dtype is not None:
+        model.to(dtype)  # what the units did not cover: frozen parameters and buffers
     _broadcast_from_rank0(model, zopt, comm)
     scheduler = _make_scheduler(lr_scheduler, cfg, zopt)
     engine = Engine(model, zopt, cfg, comm, scheduler, device)

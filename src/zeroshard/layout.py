@@ -69,6 +69,15 @@ class Unit:
         """The unit's parameters in layout order."""
         return [s.param for s in self.slots]
 
+    def cast(self, dtype: torch.dtype) -> None:
+        """Re-lay the flat buffer in `dtype` (mixed precision) and re-point the parameters."""
+        if self.flat.dtype == dtype:
+            return
+        self.dtype = dtype
+        self.flat = self.flat.to(dtype)
+        for slot, view in self.views(self.flat):
+            slot.param.data = view
+
 
 def padded_size(numel: int, world_size: int) -> int:
     """Round `numel` up so that it splits into `world_size` shards of ALIGN-multiple length."""

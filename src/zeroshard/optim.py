@@ -83,21 +83,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     for p in group["params"] if p.requires_grad}
         # named_parameters() yields a tied weight once, under its first name.
         named = list(model.named_parameters())
-        self.units: list[Unit] = build_units(named, group_of, comm.world_size, bucket_numel,
-                                             compute_dtype)
+        self.units: list[Unit] = build_units(named, group_of, comm.world_size, bucket_numel)
         self.policy: StagePolicy = POLICIES[stage](self.units, comm, overlap_comm)
+        # Masters are taken before casting so that they keep the full-precision initial values.
+        self.masters = self._make_masters(compute_dtype)
+        for unit in self.units:
+            unit.cast(compute_dtype or unit.dtype)
         self.policy.setup()
-        self.masters = self._make_masters()
         self._reseat(optimizer)
 
     # -- construction --------------------------------------------------------------------------
-    def _make_masters(self) -> list[nn.Parameter]:
+    def _make_masters(self, compute_dtype: torch.dtype | None) -> list[nn.Parameter]:
         masters = []
         for unit in self.units:
             lo, hi = self.policy.owned_bounds(unit)
             owned = unit.flat[lo:hi]
             # In fp32 the master *is* the owned slice of the parameter buffer: no second copy.
-            data = owned if owned.dtype == torch.float32 else owned.detach().float()
+            fp32_compute = (compute_dtype or unit.dtype) == torch.float32
+            data = owned if fp32_compute and owned.dtype == torch.float32 else owned.detach().float().clone()
             masters.append(nn.Parameter(data, requires_grad=True))
         return masters
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -12,8 +13,9 @@ class TinyLM(nn.Module):
     Parameter sizes are deliberately odd so that flat buffers need padding at every world size.
     """
 
-    def __init__(self, vocab: int = 23, width: int = 13):
+    def __init__(self, vocab: int = 23, width: int = 13, checkpoint: str | None = None):
         super().__init__()
+        self.checkpoint = checkpoint  # None, "reentrant" or "plain" activation checkpointing
         self.embed = nn.Embedding(vocab, width)
         self.block1 = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 3 * width), nn.GELU(),
                                     nn.Linear(3 * width, width))
@@ -25,15 +27,19 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
-        h = h + self.block1(h)
-        h = h + self.block2(h)
+        for block in (self.block1, self.block2):
+            if self.checkpoint is None:
+                h = h + block(h)
+            else:
+                h = h + torch.utils.checkpoint.checkpoint(
+                    block, h, use_reentrant=self.checkpoint == "reentrant")
         return self.head(h)
 
 
-def make_model(seed: int = 0) -> TinyLM:
+def make_model(seed: int = 0, checkpoint: str | None = None) -> TinyLM:
     """The same initial weights on every call with the same seed."""
     torch.manual_seed(seed)
-    return TinyLM()
+    return TinyLM(checkpoint=checkpoint)
 
 
 def make_batches(steps: int, global_batch: int, seq: int = 6, vocab: int = 23, seed: int = 1):

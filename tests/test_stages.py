@@ -30,7 +30,8 @@ OPTIMIZERS = {
 
 GRID = [dict(stage=s, gas=g, clip=c, opt=o)
         for s, g, c, o in itertools.product((0, 1, 2), (1, 3), (0.0, CLIP), OPTIMIZERS)]
-EXTRA = [dict(stage=s, kind=k) for s in (0, 1, 2) for k in ("two_groups", "config_sched", "prepare")]
+EXTRA = [dict(stage=s, kind=k) for s in (0, 1, 2)
+         for k in ("two_groups", "config_sched", "prepare", "ckpt_reentrant", "ckpt_plain")]
 
 
 def case_id(case: dict) -> str:
@@ -112,6 +113,18 @@ def _run_extra_case(rank, world, case):
         engine, _, _, sched = zeroshard.initialize(model=model, config=config)
         assert sched is not None and engine.lr_scheduler is sched
         _train(engine, batches, rank, world, 1)
+    elif case["kind"].startswith("ckpt_"):
+        # Activation checkpointing: the reentrant kind runs nested backwards inside the outer
+        # one; stage 2 must still reduce-scatter every unit exactly once per backward.
+        ref = reference_run(lambda m: OPTIMIZERS["sgd"](m.parameters()), batches)
+        model = make_model(checkpoint=case["kind"][len("ckpt_"):])
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, optimizer=OPTIMIZERS["sgd"](model.parameters()), config=config)
+        _train(engine, batches, rank, world, 1)
+        if case["stage"] == 2:
+            padded = sum(u.padded_numel for u in engine.optimizer.units)
+            moved = engine.comm_report()["reduce_scatter"]
+            assert moved == STEPS * padded * 4 * (world - 1) // world, (moved, padded)
     else:
         ref = reference_run(lambda m: OPTIMIZERS["sgd"](m.parameters()), batches)
         model, optimizer = zeroshard.prepare(model, OPTIMIZERS["sgd"](model.parameters()), config)

@@ -84,7 +84,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # named_parameters() yields a tied weight once, under its first name.
         named = list(model.named_parameters())
         self.units: list[Unit] = build_units(named, group_of, comm.world_size, bucket_numel)
-        self.policy: StagePolicy = POLICIES[stage](self.units, comm, overlap_comm)
+        self.policy: StagePolicy = POLICIES[stage](self.units, comm, overlap_comm, model)
         # Masters are taken before casting so that they keep the full-precision initial values.
         self.masters = self._make_masters(compute_dtype)
         for unit in self.units:

@@ -22,8 +22,10 @@ class StagePolicy:
     #: Each rank steps only its 1/N shard (stages >= 1) rather than the whole unit (stage 0).
     shards_optimizer = True
 
-    def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True):
+    def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True,
+                 module: torch.nn.Module | None = None):
         self.units = units
+        self.module = module
         self.comm = comm
         self.overlap = overlap_comm
         self.hooks = []

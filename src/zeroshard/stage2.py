@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
 
 from .layout import Unit
 from .policy import StagePolicy
@@ -47,6 +48,8 @@ class Stage2(StagePolicy):
         self.in_flight = deque()
         self.callback_queued = False
         self.peak_buffer_bytes = 0
+        if self.module is not None:
+            self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
         for unit in self.units:
             for slot in unit.slots:
                 slot.param.grad = None
@@ -54,10 +57,22 @@ class Stage2(StagePolicy):
                     partial(self._on_grad_ready, unit, slot)))
 
     # -- backward ------------------------------------------------------------------------------
-    def _on_grad_ready(self, unit: Unit, slot, param: torch.nn.Parameter) -> None:
+    def _hook_outputs(self, _module, _inputs, output) -> None:
+        # The end-of-backward callback must join the *outer* backward: a hook on the model's
+        # outputs runs there first, before any reentrant checkpoint starts a nested backward
+        # (whose end would otherwise flush half-filled units).
+        if torch.is_grad_enabled():
+            for leaf in tree_leaves(output):
+                if torch.is_tensor(leaf) and leaf.requires_grad:
+                    leaf.register_hook(self._queue_end_of_backward)
+
+    def _queue_end_of_backward(self, _grad=None) -> None:
         if not self.callback_queued:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad_ready(self, unit: Unit, slot, param: torch.nn.Parameter) -> None:
+        self._queue_end_of_backward()
         buffer = self._buffer(unit)
         buffer[slot.offset: slot.offset + slot.numel].add_(param.grad.reshape(-1))
         param.grad = None

@@ -50,18 +50,24 @@ def run_world(world_size: int, fn, *args, timeout: float = 600) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
-        _join(ctx, timeout)
-        results = []
+        try:
+            _join(ctx, timeout)
+            crash = None
+        except Exception as err:  # noqa: BLE001 - a rank's own error, if it wrote one, says more
+            crash = err
+        payloads = {}
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} of {world_size} wrote no result (crashed?)")
-            with open(path, "rb") as fh:
-                status, value = pickle.load(fh)
+            if os.path.exists(path):
+                with open(path, "rb") as fh:
+                    payloads[rank] = pickle.load(fh)
+        for rank, (status, value) in sorted(payloads.items()):
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            results.append(value)
-        return results
+        if crash is not None or len(payloads) < world_size:
+            missing = sorted(set(range(world_size)) - set(payloads))
+            raise RuntimeError(f"world of {world_size}: ranks {missing} wrote no result ({crash})")
+        return [payloads[rank][1] for rank in range(world_size)]
 
 
 def _join(ctx, timeout: float) -> None:

@@ -164,8 +164,7 @@ class Engine(nn.Module):
         _tally(report["params"], param_tensors, seen, self.device)
         _tally(report["grads"], self.optimizer.policy.grad_tensors(), seen, self.device)
         _tally(report["optimizer"], self.optimizer.state_tensors(), seen, self.device)
-        transient = getattr(self.optimizer.policy, "buffers", {})
-        _tally(report["buffers"], list(transient.values()), seen, self.device)
+        _tally(report["buffers"], self.optimizer.policy.buffer_tensors(), seen, self.device)
         return report
 
     def comm_report(self) -> dict[str, int]:

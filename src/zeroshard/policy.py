@@ -76,6 +76,10 @@ class StagePolicy:
         """Gradient storage this policy keeps between steps (for the memory ledger)."""
         return list(self.flat_grads)
 
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """Communication buffers held between collectives (for the memory ledger)."""
+        return []
+
     def unit_grad_is_finite(self, unit: Unit) -> bool:
         """Whether this rank's gradient slice of `unit` is free of inf/nan (error reporting only)."""
         return bool(torch.isfinite(self.grad_shard(unit)).all())

@@ -1,8 +1,10 @@
 """ZeRO stage 2: gradients and optimizer state sharded; reduce-scatter during backward.
 
 Communication plan, per micro-step and per optimizer step:
-  1. backward: when a parameter's gradient is ready (post-accumulate-grad hook) it is added into a
-     transient full-size buffer of its unit and the parameter's own `.grad` is dropped.
+  1. backward: when a parameter's gradient is ready (post-accumulate-grad hook) it is copied into a
+     full-size buffer of its unit and the parameter's own `.grad` is dropped. Unit buffers come
+     from a small pool and return to it once reduced: no per-step allocation, page faults or
+     memset (measured at ~110 ms/step on a 57 M-parameter model before the pool).
   2. as soon as a unit's gradients are all in, and every unit before it in the layout's
      gradient-ready order has been launched, its buffer is reduce-scattered (asynchronously, so
      backward goes on computing): rank r receives the sum of its slice, divides by N and adds it
@@ -42,19 +44,20 @@ class Stage2(StagePolicy):
         """Allocate persistent gradient shards and hook every managed parameter."""
         self.grad_shards = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.flat.device)
                             for u in self.units]
-        self.buffers: dict[int, torch.Tensor] = {}  # unit index -> transient full gradient
+        self.buffers: dict[int, torch.Tensor] = {}  # unit index -> its full gradient, being filled
+        self.filled: dict[int, list[bool]] = {}  # unit index -> which slots hold a gradient
+        self.pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.missing = [len(u.slots) for u in self.units]
         self.next_launch = 0
         self.in_flight = deque()
         self.callback_queued = False
-        self.peak_buffer_bytes = 0
         if self.module is not None:
             self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
         for unit in self.units:
-            for slot in unit.slots:
+            for position, slot in enumerate(unit.slots):
                 slot.param.grad = None
                 self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    partial(self._on_grad_ready, unit, slot)))
+                    partial(self._on_grad_ready, unit, position)))
 
     # -- backward ------------------------------------------------------------------------------
     def _hook_outputs(self, _module, _inputs, output) -> None:
@@ -71,10 +74,16 @@ class Stage2(StagePolicy):
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _on_grad_ready(self, unit: Unit, slot, param: torch.nn.Parameter) -> None:
+    def _on_grad_ready(self, unit: Unit, position: int, param: torch.nn.Parameter) -> None:
         self._queue_end_of_backward()
         buffer = self._buffer(unit)
-        buffer[slot.offset: slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        slot = unit.slots[position]
+        target = buffer[slot.offset: slot.offset + slot.numel]
+        if self.filled[unit.index][position]:
+            target.add_(param.grad.reshape(-1))
+        else:
+            target.copy_(param.grad.reshape(-1))
+            self.filled[unit.index][position] = True
         param.grad = None
         self.missing[unit.index] -= 1
         self._launch(force=False)
@@ -82,11 +91,19 @@ class Stage2(StagePolicy):
     def _buffer(self, unit: Unit) -> torch.Tensor:
         buffer = self.buffers.get(unit.index)
         if buffer is None:
-            buffer = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.flat.device)
+            free = self.pool.get((unit.padded_numel, unit.dtype))
+            buffer = free.pop() if free else torch.empty(
+                unit.padded_numel, dtype=unit.dtype, device=unit.flat.device)
             self.buffers[unit.index] = buffer
-            held = sum(b.numel() * b.element_size() for b in self.buffers.values())
-            self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
+            self.filled[unit.index] = [False] * len(unit.slots)
         return buffer
+
+    def _seal(self, unit: Unit, buffer: torch.Tensor) -> None:
+        """Zero what no gradient was written to: padding and parameters unused in this backward."""
+        buffer[unit.numel:].zero_()
+        for slot, done in zip(unit.slots, self.filled.pop(unit.index)):
+            if not done:
+                buffer[slot.offset: slot.offset + slot.numel].zero_()
 
     def _launch(self, force: bool) -> None:
         while self.next_launch < len(self.units):
@@ -95,6 +112,7 @@ class Stage2(StagePolicy):
                 return
             buffer = self._buffer(unit)
             del self.buffers[unit.index]
+            self._seal(unit, buffer)
             received = torch.empty(unit.shard_numel, dtype=unit.dtype, device=buffer.device)
             handle = self.comm.reduce_scatter(received, buffer, async_op=True)
             self.in_flight.append((unit, buffer, received, handle))
@@ -103,11 +121,11 @@ class Stage2(StagePolicy):
                 self._land()
 
     def _land(self) -> None:
-        unit, _buffer, received, handle = self.in_flight.popleft()
+        unit, buffer, received, handle = self.in_flight.popleft()
         if handle is not None:
             handle.wait()
-        # The transient buffer dies with this frame: only the shard-sized sum stays.
         self.grad_shards[unit.index].add_(received.div_(self.comm.world_size))
+        self.pool.setdefault((unit.padded_numel, unit.dtype), []).append(buffer)
 
     def _end_of_backward(self) -> None:
         self._launch(force=True)
@@ -131,5 +149,9 @@ class Stage2(StagePolicy):
             shard.zero_()
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """The persistent gradient shards (transient unit buffers are reported separately)."""
+        """The persistent gradient shards (unit buffers are reported under "buffers")."""
         return list(self.grad_shards)
+
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """Unit-sized gradient buffers held now: being filled, or pooled for the next backward."""
+        return list(self.buffers.values()) + [b for free in self.pool.values() for b in free]

@@ -40,6 +40,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump(payload, fh)
     try:
+        # Tear down together: a rank leaving while a peer still talks to it aborts gloo.
+        dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass

@@ -92,14 +92,26 @@ class _Handles:
         """Block until every collective has finished."""
         for handle in self.handles:
             handle.wait()
+        self.handles = []
+
+
+class _CopyOnWait:
+    """The last step of a native reduce-scatter: copy the received slice into place."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
+        self.dst, self.src = dst, src
+
+    def wait(self) -> None:
+        """Copy the result into place."""
+        self.dst.copy_(self.src)
 
 
 class _ExchangeReduceScatter:
     """A reduce-scatter from point-to-point exchanges: send peers their slices, sum what arrives."""
 
-    def __init__(self, comm: "Comm", shard_out: torch.Tensor, full: torch.Tensor):
+    def __init__(self, comm: "Comm", full: torch.Tensor):
         slots = full.chunk(comm.world_size)
-        self.out, self.own = shard_out, slots[comm.rank]
+        self.own = slots[comm.rank]
         # Every rank issues its reduce-scatters in the same order, so a counter is a shared tag
         # that keeps two in-flight exchanges between the same pair of ranks apart.
         tag = comm.next_tag()
@@ -117,9 +129,10 @@ class _ExchangeReduceScatter:
         """Wait for the exchanges and leave the sum of this rank's slice in the output."""
         for request in self.requests:
             request.wait()
-        torch.add(self.own, self.received[0], out=self.out)
-        for incoming in self.received[1:]:
-            self.out.add_(incoming)
+        # Drop the gloo work objects now: one outliving its process group aborts at exit.
+        self.requests = []
+        for incoming in self.received:
+            self.own.add_(incoming)
         self.received.clear()
 
 
@@ -176,15 +189,22 @@ class Comm:
                            for r, slot in enumerate(slots))
         return handles if async_op else handles.wait()
 
-    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-        """Sum `full` across ranks and leave this rank's contiguous 1/N slice in `shard_out`."""
+    def reduce_scatter(self, full: torch.Tensor, async_op: bool = False):
+        """Sum `full` across ranks into this rank's own contiguous 1/N slice of `full`, in place.
+
+        The rest of `full` is left unspecified. Reducing in place spares a shard-sized output
+        buffer per collective in flight.
+        """
         self._count("reduce_scatter", full.numel() * full.element_size(), 1.0)
         if self.world_size == 1:
-            shard_out.copy_(full)
             return None
+        own = full.chunk(self.world_size)[self.rank]
         if not self.composed:
-            return _REDUCE_SCATTER(shard_out, full, group=self.group, async_op=async_op)
-        handle = _ExchangeReduceScatter(self, shard_out, full)
+            out = torch.empty_like(own)
+            handle = _REDUCE_SCATTER(out, full, group=self.group, async_op=True)
+            handle = _Handles([handle, _CopyOnWait(own, out)])
+        else:
+            handle = _ExchangeReduceScatter(self, full)
         return handle if async_op else handle.wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int):

@@ -3,9 +3,9 @@
 Communication plan, per optimizer step:
   1. backward: autograd accumulates into each unit's full flat gradient buffer (in place, through
      the parameters' `.grad` views); micro-steps accumulate there, nothing is communicated.
-  2. accumulation boundary: reduce-scatter each unit's flat gradient buffer; rank r receives the
-     sum over ranks of its slice `[r*S, (r+1)*S)`, divides it by N and writes it back over its own
-     slice of the buffer. Ring cost: Psi x (N-1)/N elements per rank.
+  2. accumulation boundary: reduce-scatter each unit's flat gradient buffer in place; rank r's
+     slice `[r*S, (r+1)*S)` of the buffer becomes the sum over ranks, divided by N (the rest of
+     the buffer is scratch until the next zero_grad). Ring cost: Psi x (N-1)/N elements per rank.
   3. step: rank r steps only its shard (fp32 master + optimizer state exist only for the shard).
   4. all-gather every unit's updated shards into the full flat parameter buffer, in place.
      Ring cost: Psi x (N-1)/N elements per rank.  Total 2 x Psi x (N-1)/N, as plain DP.
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from .policy import StagePolicy
 
 # Reduce-scatters in flight at once: enough to keep gloo's threads busy, while bounding the
-# temporary shard-sized receive buffers.
+# shard-sized receive buffers of the point-to-point exchanges.
 MAX_IN_FLIGHT = 2
 
 
@@ -31,20 +29,16 @@ class Stage1(StagePolicy):
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter each unit's gradients and leave the average in this rank's slice."""
-        n, rank = self.comm.world_size, self.comm.rank
         pending = deque()
         for unit, flat in zip(self.units, self.flat_grads):
-            received = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-            pending.append((flat, unit, received,
-                            self.comm.reduce_scatter(received, flat, async_op=True)))
+            pending.append((unit, flat, self.comm.reduce_scatter(flat, async_op=True)))
             while len(pending) > (MAX_IN_FLIGHT if self.overlap else 0):
-                self._land(pending.popleft(), n, rank)
+                self._land(*pending.popleft())
         while pending:
-            self._land(pending.popleft(), n, rank)
+            self._land(*pending.popleft())
 
-    @staticmethod
-    def _land(item, n: int, rank: int) -> None:
-        flat, unit, received, handle = item
+    def _land(self, unit, flat, handle) -> None:
         if handle is not None:
             handle.wait()
-        unit.shard_view(flat, rank).copy_(received).div_(n)
+        if self.comm.world_size > 1:
+            unit.shard_view(flat, self.comm.rank).div_(self.comm.world_size)

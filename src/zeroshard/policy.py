@@ -14,6 +14,12 @@ import torch
 from .comm import Comm
 from .layout import Unit
 
+# Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the
+# next unit). Each one pins a unit-sized gradient buffer and (N-1)/N of it in receive buffers.
+# Measured on the 57 M-parameter bench model at 2 ranks: 1 instead of 2 costs ~2% of a stage-2
+# step and lowers its peak RSS by ~108 MiB; 4 was no faster than 2.
+MAX_IN_FLIGHT = 1
+
 
 class StagePolicy:
     """Base policy: full gradient buffers with parameter `.grad` views into them."""

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .policy import StagePolicy
-
-# Reduce-scatters in flight at once: enough to keep gloo's threads busy, while bounding the
-# shard-sized receive buffers of the point-to-point exchanges.
-MAX_IN_FLIGHT = 2
+from .policy import MAX_IN_FLIGHT, StagePolicy
 
 
 class Stage1(StagePolicy):

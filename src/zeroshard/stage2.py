@@ -30,10 +30,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
 from .layout import Unit
-from .policy import StagePolicy
-
-# Reduce-scatters in flight during backward: overlap without keeping many unit buffers alive.
-MAX_IN_FLIGHT = 2
+from .policy import MAX_IN_FLIGHT, StagePolicy
 
 
 class Stage2(StagePolicy):

@@ -372,6 +372,12 @@ INERT = [
      "zero_optimization.legacy_stage1"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer"),
+    ({"zero_optimization": {"stage": 2, "reduce_scatter": False}},
+     "zero_optimization.reduce_scatter"),
+    ({"zero_optimization": {"stage": 1, "allgather_partitions": False}},
+     "zero_optimization.allgather_partitions"),
+    ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}},
+     "zero_optimization.contiguous_gradients"),
 ]
 
 

@@ -387,7 +387,16 @@ _INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "zero_hpz_partition_size", lambda v, c: v != 1, _NO_EFFECT),
     ("zero_optimization", "mics_shard_size", lambda v, c: v > 0, _NO_EFFECT),
     ("fp16", "auto_cast", lambda v, c: v,
-     "{full} has no effect in zeroshard (inputs are not cast for you); ignored"),
+     "{full} has no effect in zeroshard (the engine already casts floating inputs to the "
+     "compute dtype); ignored"),
+    ("zero_optimization", "reduce_scatter", lambda v, c: not v,
+     "{full}=false has no effect: zeroshard always reduce-scatters gradients at stages 1-2 "
+     "(and all-reduces at stage 0); ignored"),
+    ("zero_optimization", "allgather_partitions", lambda v, c: not v,
+     "{full}=false has no effect: zeroshard always all-gathers updated shards; ignored"),
+    ("zero_optimization", "contiguous_gradients", lambda v, c: not v,
+     "{full}=false has no effect: zeroshard's gradients always live in contiguous flat "
+     "buffers; ignored"),
     ("", "zero_allow_untested_optimizer", lambda v, c: v,
      "{full} has no effect in zeroshard (any elementwise torch.optim optimizer is sharded); "
      "ignored"),

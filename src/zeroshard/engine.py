@@ -278,19 +278,13 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
 
 
 def _broadcast_from_rank0(model: nn.Module, zopt: ZeroOptimizer, comm: Comm) -> None:
-    """Start every rank from rank 0's weights, as DDP does, so unseeded inits cannot diverge."""
+    """Give every rank rank 0's frozen parameters and buffers (the units were synced already)."""
     if comm.world_size == 1:
         return
-    in_units = set()
-    for unit in zopt.units:
-        comm.broadcast(unit.flat, src=0)
-        in_units.update(id(p) for p in unit.params())
-    for tensor in list(p.data for p in model.parameters() if id(p) not in in_units) + list(model.buffers()):
+    in_units = {id(p) for unit in zopt.units for p in unit.params()}
+    rest = [p.data for p in model.parameters() if id(p) not in in_units] + list(model.buffers())
+    for tensor in rest:
         comm.broadcast(tensor, src=0)
-    for unit, master in zip(zopt.units, zopt.masters):
-        lo, hi = zopt.policy.owned_bounds(unit)
-        if master.data_ptr() != unit.flat[lo:hi].data_ptr():
-            master.data.copy_(unit.flat[lo:hi])
 
 
 def _make_scheduler(lr_scheduler, cfg: ZeroConfig, zopt: ZeroOptimizer):

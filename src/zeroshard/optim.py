@@ -84,6 +84,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # named_parameters() yields a tied weight once, under its first name.
         named = list(model.named_parameters())
         self.units: list[Unit] = build_units(named, group_of, comm.world_size, bucket_numel)
+        # Every rank starts from rank 0's weights (as DDP does), taken in full precision before
+        # masters are made and buffers cast, so unseeded initialisations cannot diverge.
+        for unit in self.units:
+            comm.broadcast(unit.flat, src=0)
         self.policy: StagePolicy = POLICIES[stage](self.units, comm, overlap_comm, model)
         # Masters are taken before casting so that they keep the full-precision initial values.
         self.masters = self._make_masters(compute_dtype)
@@ -159,7 +163,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.step_applied = False
                 self.last_grad_norm = None
                 return False
-            raise NonFiniteGradientError(self._nonfinite_message())
+            message = self._nonfinite_message()
+            # Nothing was applied; clearing the gradients lets a caller skip the bad batch.
+            self.policy.zero_grad()
+            raise NonFiniteGradientError(message)
         self.last_grad_norm = norm
         factor = 1.0 / self.scaler.scale
         if self.clip_norm > 0 and norm > self.clip_norm:
@@ -181,7 +188,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """L2 norm of the unscaled gradient over all shards of all ranks."""
         if not grads:
             return 0.0
-        local = torch.stack([g.pow(2).sum() for g in grads]).double().sum().reshape(1)
+        # _foreach_norm reduces without materialising squared copies of the shards.
+        local = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().reshape(1)
         if self.policy.shards_optimizer:
             self.comm.all_reduce(local)
         total = local.item()

@@ -31,7 +31,8 @@ OPTIMIZERS = {
 GRID = [dict(stage=s, gas=g, clip=c, opt=o)
         for s, g, c, o in itertools.product((0, 1, 2), (1, 3), (0.0, CLIP), OPTIMIZERS)]
 EXTRA = [dict(stage=s, kind=k) for s in (0, 1, 2)
-         for k in ("two_groups", "config_sched", "prepare", "ckpt_reentrant", "ckpt_plain")]
+         for k in ("two_groups", "config_sched", "prepare", "ckpt_reentrant", "ckpt_plain",
+                   "frozen")]
 
 
 def case_id(case: dict) -> str:
@@ -45,6 +46,14 @@ def two_groups(model):
     rest = [p for p in model.parameters() if all(p is not q for q in first)]
     return torch.optim.AdamW([{"params": first, "lr": 0.05, "weight_decay": 0.01},
                               {"params": rest, "lr": 0.02, "weight_decay": 0.0}])
+
+
+def frozen_block(model):
+    """Freeze block1 (fine-tuning style) and optimise only what still requires grad."""
+    for p in model.block1.parameters():
+        p.requires_grad_(False)
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                           momentum=0.9)
 
 
 def warmup(opt):
@@ -99,9 +108,10 @@ def _run_extra_case(rank, world, case):
     config = {"train_micro_batch_size_per_gpu": MICRO,
               "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": BUCKET}}
     model = make_model()
-    if case["kind"] == "two_groups":
-        ref = reference_run(two_groups, batches)
-        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=two_groups(model), config=config)
+    if case["kind"] in ("two_groups", "frozen"):
+        factory = two_groups if case["kind"] == "two_groups" else frozen_block
+        ref = reference_run(factory, batches)
+        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=factory(model), config=config)
         _train(engine, batches, rank, world, 1)
     elif case["kind"] == "config_sched":
         ref = reference_run(lambda m: torch.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.0),

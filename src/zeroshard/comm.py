@@ -126,7 +126,7 @@ class _ExchangeReduceScatter:
         self.requests = dist.batch_isend_irecv(ops)
 
     def wait(self) -> None:
-        """Wait for the exchanges and leave the sum of this rank's slice in the output."""
+        """Wait for the exchanges and add what arrived into this rank's own slice."""
         for request in self.requests:
             request.wait()
         # Drop the gloo work objects now: one outliving its process group aborts at exit.
@@ -208,10 +208,10 @@ class Comm:
         return handle if async_op else handle.wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int):
-        """Copy `tensor` from rank `src` to every rank."""
+        """Copy `tensor` from rank `src` (of this group) to every rank."""
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
         if self.world_size > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
+            dist.broadcast(tensor, src=self._ranks[src], group=self.group)
 
     def barrier(self) -> None:
         """Wait for every rank."""

@@ -5,6 +5,8 @@ import argparse as _argparse
 from .comm import init_distributed
 from .config import ConfigError, NotSupportedYetError, load_config
 from .engine import Engine, initialize, is_initialized, prepare
+from .gathered import GatheredParameters, Init
+from . import zero
 from .optim import NonFiniteGradientError, ZeroOptimizer
 from .scaler import LossScaleError
 
@@ -24,7 +26,7 @@ def add_config_arguments(parser):
 
 
 __all__ = [
-    "ConfigError", "Engine", "LossScaleError", "NonFiniteGradientError", "NotSupportedYetError",
-    "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
-    "load_config", "prepare", "__version__",
+    "ConfigError", "Engine", "GatheredParameters", "Init", "LossScaleError",
+    "NonFiniteGradientError", "NotSupportedYetError", "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
+    "load_config", "prepare", "zero", "__version__",
 ]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .comm import Comm
+from .gathered import OWNER_ATTR
 from .layout import Unit, build_units
 from .policy import StagePolicy
 from .scaler import LossScaler
@@ -95,6 +96,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit.cast(compute_dtype or unit.dtype)
         self.policy.setup()
         self._reseat(optimizer)
+        for unit in self.units:
+            for param in unit.params():
+                setattr(param, OWNER_ATTR, (self, unit))
 
     # -- construction --------------------------------------------------------------------------
     def _make_masters(self, compute_dtype: torch.dtype | None) -> list[nn.Parameter]:
@@ -121,6 +125,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if use_fused and group.get("fused") is None and not group.get("foreach") \
                     and not group.get("differentiable"):
                 group["fused"] = True
+
+    def refresh_master(self, unit: Unit, param: nn.Parameter) -> None:
+        """Re-take the fp32 master of `param`'s owned part after the parameter changed in place."""
+        slot = next(s for s in unit.slots if s.param is param)
+        lo, hi = self.policy.owned_bounds(unit)
+        master = self.masters[unit.index]
+        start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+        if start < end and master.data_ptr() != unit.flat[lo:hi].data_ptr():
+            master.data[start - lo:end - lo].copy_(unit.flat[start:end])
 
     # -- the optimizer interface users see -------------------------------------------------------
     @property
@@ -224,6 +237,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the policy's hooks."""
         self.policy.close()
+        for unit in self.units:
+            for param in unit.params():
+                if hasattr(param, OWNER_ATTR):
+                    delattr(param, OWNER_ATTR)
 
 
 def build_optimizer(spec, params) -> torch.optim.Optimizer:

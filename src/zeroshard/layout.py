@@ -4,8 +4,9 @@ A *unit* is a set of parameters communicated together. Its parameters are laid e
 flat buffer, padded so that it splits into `world_size` equal contiguous shards; each parameter's
 `.data` is a view into that buffer. Rank r owns `[r*S, (r+1)*S)` of every unit.
 
-For stages 0-2 units are buckets of about `bucket_numel` elements in gradient-ready order (the
-reverse of registration); parameters of different optimizer param groups or dtypes never share one.
+For stages 0-2 units are buckets of about `bucket_numel` elements (reduce_bucket_size, capped at
+1/8 of the model) in gradient-ready order (the reverse of registration); parameters of different
+optimizer param groups or dtypes never share one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+# A unit is at most this fraction of the trainable parameters (but never below MIN_UNIT_NUMEL):
+# at stage 2 a unit-sized gradient buffer is filled while the previous one is reduce-scattered, so
+# with DeepSpeed's default bucket (5e8 elements, more than most models) a single whole-model unit
+# would hold as much gradient memory as stage 1 does.
+UNIT_FRACTION = 8
+MIN_UNIT_NUMEL = 1 << 20
 
 # Shards start on 16-element boundaries: aligned vector loads in the optimizer kernels and
 # O_DIRECT-friendly sizes for the later NVMe placement.
@@ -85,15 +93,22 @@ def padded_size(numel: int, world_size: int) -> int:
     return max(quantum, -(-numel // quantum) * quantum)
 
 
+def unit_numel_cap(bucket_numel: int, trainable_numel: int) -> int:
+    """Largest unit: the bucket size, capped at 1/UNIT_FRACTION of the model (>= MIN_UNIT_NUMEL)."""
+    return min(bucket_numel, max(trainable_numel // UNIT_FRACTION, MIN_UNIT_NUMEL))
+
+
 def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int, int],
                 world_size: int, bucket_numel: int, dtype: torch.dtype | None = None) -> list[Unit]:
     """Pack trainable parameters into units in gradient-ready order and flatten them.
 
     `named_params` is in registration order; `group_of` maps `id(param)` to its optimizer param-group
-    index (parameters absent from it are not managed). `dtype` casts the flat buffers (mixed
-    precision) or keeps each parameter's own dtype when None.
+    index (parameters absent from it are not managed). Units hold at most
+    `unit_numel_cap(bucket_numel, trainable)` elements (a larger single parameter gets its own).
+    `dtype` casts the flat buffers (mixed precision) or keeps each parameter's own dtype when None.
     """
     ready_order = [(n, p) for n, p in reversed(named_params) if id(p) in group_of]
+    bucket_numel = unit_numel_cap(bucket_numel, sum(p.numel() for _, p in ready_order))
     position = {id(p): i for i, (_, p) in enumerate(ready_order)}
     open_units: dict[tuple[int, torch.dtype], list[Slot]] = {}
     open_numel: dict[tuple[int, torch.dtype], int] = {}

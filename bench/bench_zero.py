@@ -403,6 +403,14 @@ def summarize(args, impls, runs, failures, n_params, wall_total) -> str:
     def verdict(ok):
         return "PASS" if ok else "FAIL"
 
+    def rss_target(s, z, base_rss, base_name):
+        """One target line: zeroshard-s<s> peak RSS <= base - 0.9 x the stage's theoretical saving."""
+        limit = base_rss - 0.9 * saving[s] / mib
+        return (f"- zeroshard-s{s} peak RSS {z['rss']:.0f} MiB <= {base_name} {base_rss:.0f} − 0.9 x "
+                f"{saving[s] / mib:.0f} = {limit:.0f} MiB: {verdict(z['rss'] <= limit)} "
+                f"(measured saving {base_rss - z['rss']:.0f} MiB = "
+                f"{(base_rss - z['rss']) / (saving[s] / mib):.0%} of theoretical)")
+
     for s in (1, 2):
         z = row.get(f"zeroshard-s{s}")
         ds = row.get(f"deepspeed-s{s}")
@@ -419,13 +427,7 @@ def summarize(args, impls, runs, failures, n_params, wall_total) -> str:
                     f"({z['best'] / other['best']:.2f}x)"
                 )
         if ddp:
-            limit = ddp["rss"] - 0.9 * saving[s] / mib
-            lines.append(
-                f"- zeroshard-s{s} peak RSS {z['rss']:.0f} MiB <= DDP {ddp['rss']:.0f} − 0.9 x "
-                f"{saving[s] / mib:.0f} = {limit:.0f} MiB: {verdict(z['rss'] <= limit)} "
-                f"(measured saving {ddp['rss'] - z['rss']:.0f} MiB = "
-                f"{(ddp['rss'] - z['rss']) / (saving[s] / mib):.0%} of theoretical)"
-            )
+            lines.append(rss_target(s, z, ddp["rss"], "DDP"))
 
     base = row.get("ddp-gbv")
     if base:
@@ -435,12 +437,7 @@ def summarize(args, impls, runs, failures, n_params, wall_total) -> str:
         for s in (1, 2):
             z = row.get(f"zeroshard-s{s}")
             if z:
-                limit = base["rss"] - 0.9 * saving[s] / mib
-                lines.append(
-                    f"- zeroshard-s{s} peak RSS {z['rss']:.0f} MiB <= {limit:.0f} MiB: "
-                    f"{verdict(z['rss'] <= limit)} (saving {base['rss'] - z['rss']:.0f} MiB = "
-                    f"{(base['rss'] - z['rss']) / (saving[s] / mib):.0%} of theoretical)"
-                )
+                lines.append(rss_target(s, z, base["rss"], "DDP-gbv"))
 
     # Loss agreement. Same init and same data everywhere, so the first step's loss (before any
     # update) must match to rounding. After that, reduction order differs between implementations and

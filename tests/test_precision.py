@@ -107,8 +107,9 @@ def _nonfinite_error(rank, world, stage):
     except zeroshard.NonFiniteGradientError as err:
         message = str(err)
     unchanged = _same(before, _snapshot(engine))
+    counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps)
     engine.destroy()
-    return {"message": message, "unchanged": unchanged}
+    return {"message": message, "unchanged": unchanged, "counters": counters}
 
 
 def _min_scale_error(rank, world, stage):
@@ -174,6 +175,8 @@ def test_nonfinite_gradient_raises_and_changes_nothing(results, stage):
         assert got["message"] is not None, f"rank {rank} did not raise"
         assert "inf/nan" in got["message"] and "not applied" in got["message"]
         assert got["unchanged"]
+        # counted as a skipped step, so a caller that catches the error stays on schedule
+        assert got["counters"] == (1, 1, 1)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -133,9 +133,19 @@ class Engine(nn.Module):
         return loss
 
     def step(self) -> None:
-        """Apply the optimizer at the accumulation boundary; count the micro-step either way."""
-        if self.is_gradient_accumulation_boundary():
+        """Apply the optimizer at the accumulation boundary; count the micro-step either way.
+
+        A step refused for an inf/nan gradient (NonFiniteGradientError) is counted like an fp16
+        skip before the error propagates, so a caller that catches it stays on the same
+        accumulation schedule.
+        """
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        applied = False
+        try:
             applied = self.optimizer.step()
+        finally:
             if applied:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
@@ -144,11 +154,11 @@ class Engine(nn.Module):
             self.optimizer.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            if self._config.steps_per_print and self.global_steps % self._config.steps_per_print == 0 \
-                    and self.rank == 0 and _verbose():
-                print(f"[zeroshard] step {self.global_steps} lr {self.get_lr()} "
-                      f"loss_scale {self.scaler.scale:g}", flush=True)
-        self.micro_steps += 1
+            self.micro_steps += 1
+        if self._config.steps_per_print and self.global_steps % self._config.steps_per_print == 0 \
+                and self.rank == 0 and _verbose():
+            print(f"[zeroshard] step {self.global_steps} lr {self.get_lr()} "
+                  f"loss_scale {self.scaler.scale:g}", flush=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients."""

@@ -82,6 +82,13 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def wait_all(handles) -> None:
+    """Wait for every async collective handle (None entries are already complete)."""
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+
+
 class _Handles:
     """Several async collectives waited for as one."""
 
@@ -90,8 +97,7 @@ class _Handles:
 
     def wait(self) -> None:
         """Block until every collective has finished."""
-        for handle in self.handles:
-            handle.wait()
+        wait_all(self.handles)
         self.handles = []
 
 

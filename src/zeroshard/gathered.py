@@ -20,9 +20,7 @@ from torch import nn
 
 from .comm import Comm
 from .config import NotSupportedYetError, load_config
-
-#: Attribute set on every parameter a ZeroOptimizer manages: (optimizer, unit).
-OWNER_ATTR = "_zeroshard_owner"
+from .optim import OWNER_ATTR
 
 
 def _as_list(params) -> list[nn.Parameter]:

@@ -11,7 +11,7 @@ optimizer param groups or dtypes never share one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,7 +51,6 @@ class Unit:
     flat: torch.Tensor | None = None
     numel: int = 0
     padded_numel: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def shard_numel(self) -> int:
@@ -99,13 +98,13 @@ def unit_numel_cap(bucket_numel: int, trainable_numel: int) -> int:
 
 
 def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int, int],
-                world_size: int, bucket_numel: int, dtype: torch.dtype | None = None) -> list[Unit]:
+                world_size: int, bucket_numel: int) -> list[Unit]:
     """Pack trainable parameters into units in gradient-ready order and flatten them.
 
     `named_params` is in registration order; `group_of` maps `id(param)` to its optimizer param-group
     index (parameters absent from it are not managed). Units hold at most
     `unit_numel_cap(bucket_numel, trainable)` elements (a larger single parameter gets its own).
-    `dtype` casts the flat buffers (mixed precision) or keeps each parameter's own dtype when None.
+    Flat buffers keep the parameters' own dtype; `Unit.cast` re-lays them for mixed precision.
     """
     ready_order = [(n, p) for n, p in reversed(named_params) if id(p) in group_of]
     bucket_numel = unit_numel_cap(bucket_numel, sum(p.numel() for _, p in ready_order))
@@ -120,7 +119,7 @@ def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int
         open_numel[key] = 0
 
     for name, param in ready_order:
-        key = (group_of[id(param)], dtype or param.dtype)
+        key = (group_of[id(param)], param.dtype)
         if key in open_units and open_numel[key] + param.numel() > bucket_numel:
             close(key)
         slots = open_units.setdefault(key, [])

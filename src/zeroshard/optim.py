@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from .comm import Comm
-from .gathered import OWNER_ATTR
 from .layout import Unit, build_units
 from .policy import StagePolicy
 from .scaler import LossScaler
@@ -38,6 +37,8 @@ ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop
 WHOLE_TENSOR = {"lamb", "lars", "lbfgs", "adafactor", "shampoo", "muon", "novograd", "sparseadam",
                 "onebitlamb", "fusedlamb", "adan"}
 FUSED_ON_CPU = {"Adam", "AdamW", "SGD", "Adagrad"}
+#: Attribute set on every parameter a ZeroOptimizer manages: (optimizer, unit).
+OWNER_ATTR = "_zeroshard_owner"
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -107,8 +108,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             lo, hi = self.policy.owned_bounds(unit)
             owned = unit.flat[lo:hi]
             # In fp32 the master *is* the owned slice of the parameter buffer: no second copy.
-            fp32_compute = (compute_dtype or unit.dtype) == torch.float32
-            data = owned if fp32_compute and owned.dtype == torch.float32 else owned.detach().float().clone()
+            in_fp32 = (compute_dtype or unit.dtype) == torch.float32
+            data = owned if in_fp32 else owned.detach().float().clone()
             masters.append(nn.Parameter(data, requires_grad=True))
         return masters
 

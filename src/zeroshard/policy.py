@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Comm
+from .comm import Comm, wait_all
 from .layout import Unit
 
 # Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the
@@ -71,7 +71,7 @@ class StagePolicy:
         for unit in self.units:
             lo, hi = unit.shard_bounds(self.comm.rank)
             handles.append(self.comm.all_gather(unit.flat, unit.flat[lo:hi], async_op=True))
-        _wait(handles)
+        wait_all(handles)
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (keeping the views attached)."""
@@ -108,8 +108,3 @@ def _reattach_hook(view: torch.Tensor):
 
     return hook
 
-
-def _wait(handles) -> None:
-    for handle in handles:
-        if handle is not None:
-            handle.wait()

@@ -11,7 +11,8 @@ Communication plan, per optimizer step:
 
 from __future__ import annotations
 
-from .policy import StagePolicy, _wait
+from .comm import wait_all
+from .policy import StagePolicy
 
 
 class Stage0(StagePolicy):
@@ -23,7 +24,7 @@ class Stage0(StagePolicy):
     def reduce_gradients(self) -> None:
         """All-reduce every unit's full gradient buffer and average it."""
         handles = [self.comm.all_reduce(flat, async_op=True) for flat in self.flat_grads]
-        _wait(handles)
+        wait_all(handles)
         if self.comm.world_size > 1:
             for flat in self.flat_grads:
                 flat.div_(self.comm.world_size)

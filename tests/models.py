@@ -13,9 +13,12 @@ class TinyLM(nn.Module):
     Parameter sizes are deliberately odd so that flat buffers need padding at every world size.
     """
 
-    def __init__(self, vocab: int = 23, width: int = 13, checkpoint: str | None = None):
+    def __init__(self, vocab: int = 23, width: int = 13, checkpoint: str | None = None,
+                 reuse: bool = False, dict_io: bool = False):
         super().__init__()
         self.checkpoint = checkpoint  # None, "reentrant" or "plain" activation checkpointing
+        self.reuse = reuse  # run block1 twice per forward (a module called several times)
+        self.dict_io = dict_io  # take {"tokens": ...} and return {"logits": ...}
         self.embed = nn.Embedding(vocab, width)
         self.block1 = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 3 * width), nn.GELU(),
                                     nn.Linear(3 * width, width))
@@ -25,21 +28,25 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied, as GPT-2's lm_head / wte
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens=None, *, batch: dict | None = None):
+        if batch is not None:
+            tokens = batch["tokens"]
         h = self.embed(tokens)
-        for block in (self.block1, self.block2):
+        blocks = (self.block1, self.block1, self.block2) if self.reuse else (self.block1, self.block2)
+        for block in blocks:
             if self.checkpoint is None:
                 h = h + block(h)
             else:
                 h = h + torch.utils.checkpoint.checkpoint(
                     block, h, use_reentrant=self.checkpoint == "reentrant")
-        return self.head(h)
+        logits = self.head(h)
+        return {"logits": logits} if self.dict_io else logits
 
 
-def make_model(seed: int = 0, checkpoint: str | None = None) -> TinyLM:
+def make_model(seed: int = 0, checkpoint: str | None = None, **options) -> TinyLM:
     """The same initial weights on every call with the same seed."""
     torch.manual_seed(seed)
-    return TinyLM(checkpoint=checkpoint)
+    return TinyLM(checkpoint=checkpoint, **options)
 
 
 def make_batches(steps: int, global_batch: int, seq: int = 6, vocab: int = 23, seed: int = 1):
@@ -62,9 +69,9 @@ def micro_slice(batch, micro_index: int, rank: int, world: int, micro: int):
 
 
 def reference_run(make_optimizer, batches, clip: float = 0.0, seed: int = 0,
-                  make_scheduler=None) -> dict[str, torch.Tensor]:
+                  make_scheduler=None, **model_options) -> dict[str, torch.Tensor]:
     """Plain single-process training on the whole global batch; returns final parameters."""
-    model = make_model(seed)
+    model = make_model(seed, **model_options)
     opt = make_optimizer(model)
     sched = make_scheduler(opt) if make_scheduler else None
     for tokens, targets in batches:

@@ -84,9 +84,9 @@ def _api(rank, world, config_path):
     out["foreign"] = _expect_error(lambda: zeroshard.initialize(
         model=m, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), config={}))
     m = make_model()
-    out["stage3"] = _expect_error(lambda: zeroshard.initialize(
+    out["unit_class"] = _expect_error(lambda: zeroshard.initialize(
         model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-        config={"zero_optimization": {"stage": 3}}))
+        config={"zero_optimization": {"stage": 3, "zeroshard_unit_classes": ["GPT2Block"]}}))
     m = make_model()
     out["prepare_fp16"] = _expect_error(lambda: zeroshard.prepare(
         m, torch.optim.SGD(m.parameters(), lr=0.1), {"fp16": {"enabled": True}}))
@@ -149,7 +149,7 @@ def test_torch_lr_scheduler_accepts_zero_optimizer(api):
     ("no_optimizer", "no optimizer"),
     ("lamb", "Lamb needs whole parameter tensors"),
     ("foreign", "not a parameter of the model"),
-    ("stage3", "not supported yet"),
+    ("unit_class", "zeroshard_unit_classes: no module of class ['GPT2Block'] in TinyLM"),
     ("prepare_fp16", "fp16"),
     ("optimizer_lamb_config", "Lamb"),
     ("backward_non_scalar", "scalar loss"),

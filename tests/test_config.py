@@ -47,7 +47,9 @@ def _needs_unsupported(raw: dict) -> bool:
     zero = raw.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     offload = zero.get("offload_optimizer", {}).get("device", "none")
-    return stage == 3 or (stage > 0 and offload in ("cpu", "nvme"))
+    param_offload = zero.get("offload_param", {}).get("device", "none")
+    return (stage > 0 and offload in ("cpu", "nvme")) or \
+        (stage == 3 and param_offload in ("cpu", "nvme"))
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -79,10 +81,14 @@ def test_seed_stage2_bucket_sizes_are_ints():
     assert type(cfg.zero_optimization.allgather_bucket_size) is int
 
 
-def test_seed_stage3_message():
+def test_seed_stage3_offload_message():
     cfg = load_quietly(CONFIG_DIR / "seed_stage3_offload.json")
-    with pytest.raises(NotSupportedYetError, match=r"^not supported yet: ZeRO stage 3"):
+    with pytest.raises(NotSupportedYetError, match=r"^not supported yet: optimizer offload to cpu"):
         require_supported(cfg)
+
+
+def test_stage3_without_offload_is_supported():
+    require_supported(load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3}}))
 
 
 # ------------------------------------------------------------------------------------------------

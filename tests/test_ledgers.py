@@ -15,6 +15,13 @@ from tests.harness import run_world
 
 WORLDS = (2, 4)
 PAD = 16  # elements of alignment per shard: the padding allowance per rank per unit
+# Stage 3 with every parameter sharded and nothing prefetched or kept: the paper's 3 x Psi.
+LEAN = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+        "stage3_max_reuse_distance": 0}
+# Prefetch and reuse as much as the live bound (one Linear(256, 256) unit) allows.
+BOUNDED = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 10**9,
+           "stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 256 * 257}
+REUSE = {"stage3_param_persistence_threshold": 0}  # DeepSpeed's default prefetch/reuse/live
 
 
 def _model():
@@ -25,27 +32,32 @@ def _model():
 
 def _measure(rank, world):
     out = {}
-    for precision in ("fp32", "bf16"):
-        for stage in (0, 1, 2):
-            model = _model()
-            psi = sum(p.numel() for p in model.parameters())
-            config = {"train_micro_batch_size_per_gpu": 4,
-                      "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**9},
-                      "bf16": {"enabled": precision == "bf16"}}
-            engine, _, _, _ = zeroshard.initialize(
-                model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
-                config=config)
-            x = torch.randn(4, 64)
-            for step in range(3):
-                before = engine.comm_report()["total"]
-                engine.backward(engine(x).float().pow(2).mean())
-                engine.step()
-                comm = engine.comm_report()["total"] - before
-            report = engine.memory_report()
-            out[(precision, stage)] = {
-                "psi": psi, "comm": comm,
-                **{kind: sum(report[kind].values()) for kind in ("params", "grads", "optimizer")}}
-            engine.destroy()
+    runs = [(p, s, LEAN if s == 3 else {}) for p in ("fp32", "bf16") for s in (0, 1, 2, 3)]
+    runs += [("fp32", "3-bounded", BOUNDED), ("fp32", "3-reuse", REUSE)]
+    for precision, stage, stage3 in runs:
+        model = _model()
+        psi = sum(p.numel() for p in model.parameters())
+        config = {"train_micro_batch_size_per_gpu": 4,
+                  "zero_optimization": {"stage": int(str(stage)[0]),
+                                        "reduce_bucket_size": 10**9, **stage3},
+                  "bf16": {"enabled": precision == "bf16"}}
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+            config=config)
+        x = torch.randn(4, 64)
+        for step in range(3):
+            before = engine.comm_report()["total"]
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+            comm = engine.comm_report()["total"] - before
+        report = engine.memory_report()
+        policy = engine.optimizer.policy
+        out[(precision, stage)] = {
+            "psi": psi, "comm": comm, "units": len(engine.optimizer.units),
+            "peak_live": getattr(policy, "peak_live_numel", None),
+            "largest": max(u.padded_numel for u in engine.optimizer.units),
+            **{kind: sum(report[kind].values()) for kind in ("params", "grads", "optimizer")}}
+        engine.destroy()
     return out
 
 
@@ -60,16 +72,17 @@ def _close(measured: int, expected: float, slack_bytes: float) -> bool:
 
 
 @pytest.mark.parametrize("precision,elem", [("fp32", 4), ("bf16", 2)])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_matches_zero_formulas(ledgers, precision, elem, stage):
     n, result = ledgers
     got = result[(precision, stage)]
     psi = got["psi"]
-    pad = n * PAD  # a single unit pads by fewer than N*16 elements
-    # Parameters are whole on every rank at stages 0-2, in the compute dtype.
-    assert _close(got["params"], elem * psi, elem * pad)
-    # Gradients: whole (stages 0-1) or 1/N (stage 2), in the compute dtype.
-    grad_share = psi / n if stage == 2 else psi
+    pad = n * PAD * got["units"]  # each unit pads by fewer than N*16 elements
+    # Parameters (between steps): whole at stages 0-2, 1/N at stage 3, in the compute dtype.
+    param_share = psi / n if stage == 3 else psi
+    assert _close(got["params"], elem * param_share, elem * pad)
+    # Gradients: whole (stages 0-1) or 1/N (stages 2-3), in the compute dtype.
+    grad_share = psi / n if stage >= 2 else psi
     assert _close(got["grads"], elem * grad_share, elem * pad)
     # Optimizer: Adam m and v in fp32 (8 bytes), plus an fp32 master copy in mixed precision
     # (the paper's K = 12); whole at stage 0, 1/N from stage 1.
@@ -79,14 +92,33 @@ def test_memory_matches_zero_formulas(ledgers, precision, elem, stage):
 
 
 @pytest.mark.parametrize("precision,elem", [("fp32", 4), ("bf16", 2)])
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_comm_per_step_is_two_psi(ledgers, precision, elem, stage):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_comm_per_step_is_two_or_three_psi(ledgers, precision, elem, stage):
     n, result = ledgers
     got = result[(precision, stage)]
-    expected = 2 * got["psi"] * elem * (n - 1) / n
-    # Allowance: padding of the one unit, and the scalar norm all-reduce (8 bytes, ring x2).
-    slack = 2 * n * PAD * elem + 2 * 8
+    collectives = 3 if stage == 3 else 2  # stage 3 gathers in forward and again in backward
+    expected = collectives * got["psi"] * elem * (n - 1) / n
+    # Allowance: padding of each unit, and the scalar norm all-reduce (8 bytes, ring x2).
+    slack = collectives * n * PAD * got["units"] * elem + 2 * 8
     assert expected - 1 <= got["comm"] <= expected + slack, (got["comm"], expected)
+
+
+def test_stage3_live_parameters_stay_within_the_bound(ledgers):
+    """Prefetch and reuse never take gathered elements past max_live + the unit being used."""
+    n, result = ledgers
+    got = result[("fp32", "3-bounded")]
+    bound = BOUNDED["stage3_max_live_parameters"]
+    assert got["peak_live"] <= bound + got["largest"], (got["peak_live"], bound)
+    assert got["params"] == result[("fp32", 3)]["params"]  # freed again between steps
+
+
+def test_stage3_reuse_saves_backward_gathers(ledgers):
+    """With DeepSpeed's default reuse distance the backward re-gathers nothing this small model
+    needs again at once: between 2 and 3 x Psi."""
+    n, result = ledgers
+    got = result[("fp32", "3-reuse")]
+    psi_bytes = got["psi"] * 4 * (n - 1) / n
+    assert 2 * psi_bytes - 1 <= got["comm"] < 3 * psi_bytes, (got["comm"], psi_bytes)
 
 
 def test_stage_ratios(ledgers):

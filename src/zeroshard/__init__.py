@@ -5,8 +5,10 @@ import argparse as _argparse
 from .comm import init_distributed
 from .config import ConfigError, NotSupportedYetError, load_config
 from .engine import Engine, initialize, is_initialized, prepare
-from .gathered import GatheredParameters, Init
+from .gathered import GatheredParameters
+from .init import Init, load_full_state_dict
 from . import zero
+from .desync import DesyncError
 from .optim import NonFiniteGradientError, ZeroOptimizer
 from .scaler import LossScaleError
 
@@ -26,7 +28,7 @@ def add_config_arguments(parser):
 
 
 __all__ = [
-    "ConfigError", "Engine", "GatheredParameters", "Init", "LossScaleError",
+    "ConfigError", "DesyncError", "Engine", "GatheredParameters", "Init", "LossScaleError",
     "NonFiniteGradientError", "NotSupportedYetError", "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
-    "load_config", "prepare", "zero", "__version__",
+    "load_config", "load_full_state_dict", "prepare", "zero", "__version__",
 ]

@@ -251,7 +251,10 @@ class ZeroOptimizationConfig(_Block):
     memory_efficient_linear: Bool = True
     zeroshard_unit_classes: Annotated[list[str], BeforeValidator(_check_names)] | None = None
     """zeroshard only: module class names (e.g. ["GPT2Block"]) whose instances each become one
-    stage-3 unit, gathered and released together; None picks units by size."""
+    stage-3 unit, gathered and released together; None picks every repeating module class."""
+    zeroshard_desync_timeout: Annotated[float, Field(ge=0)] = 300.0
+    """zeroshard only: seconds a stage-3 rank waits for its peers before each collective before
+    raising DesyncError (ranks taking different paths); 0 turns the check off."""
 
     @model_validator(mode="after")
     def _legacy_cpu_offload(self):
@@ -367,7 +370,7 @@ _INERT_VALUES: list[tuple[str, str, Any, str]] = [
         "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
         "stage3_gather_16bit_weights_on_model_save", "stage3_module_granularity_threshold",
         "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "memory_efficient_linear",
-        "zeroshard_unit_classes")],
+        "zeroshard_unit_classes", "zeroshard_desync_timeout")],
     ("zero_optimization", "offload_param",
      lambda v, c: v is not None and v.device != "none" and c.zero_optimization.stage < 3,
      "offload_param only applies to ZeRO stage 3; ignored at stage {stage} "
@@ -578,8 +581,6 @@ def load_config(config: Any = None, world_size: int = 1) -> ZeroConfig:
 def require_supported(cfg: ZeroConfig) -> None:
     """Raise NotSupportedYetError for valid settings the engine cannot run yet (edit only here)."""
     zero = cfg.zero_optimization
-    if zero.stage == 3:
-        raise NotSupportedYetError("not supported yet: ZeRO stage 3 (zero_optimization.stage=3)")
     opt = zero.offload_optimizer
     if opt is not None and opt.device in ("cpu", "nvme") and zero.stage > 0:
         raise NotSupportedYetError(f"not supported yet: optimizer offload to {opt.device} "

@@ -19,6 +19,7 @@ from .comm import Comm, default_device, init_distributed
 from .config import ZeroConfig, load_config, require_supported
 from .optim import ZeroOptimizer, build_optimizer
 from .scaler import LossScaler
+from .stage3 import Stage3Options
 
 PLACEMENTS = ("device", "cpu", "nvme")
 
@@ -168,9 +169,9 @@ class Engine(nn.Module):
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds, by kind (params/grads/optimizer/buffers) and placement."""
         seen: set[int] = set()
-        units = self.optimizer.units
         report = {kind: dict.fromkeys(PLACEMENTS, 0) for kind in ("params", "grads", "optimizer", "buffers")}
-        param_tensors = [u.flat for u in units] + [p.data for p in self.module.parameters()]
+        param_tensors = self.optimizer.policy.param_tensors() + \
+            [p.data for p in self.module.parameters()]
         _tally(report["params"], param_tensors, seen, self.device)
         _tally(report["grads"], self.optimizer.policy.grad_tensors(), seen, self.device)
         _tally(report["optimizer"], self.optimizer.state_tensors(), seen, self.device)
@@ -180,6 +181,16 @@ class Engine(nn.Module):
     def comm_report(self) -> dict[str, int]:
         """Cumulative bytes this rank moved per collective kind (ring model), plus "total"."""
         return self.comm.report()
+
+    def gathered_model(self):
+        """Context with every parameter whole on every rank (stage 3), e.g. around a generation loop.
+
+        Forward passes inside it gather nothing; it costs the full model's memory on each rank.
+        At stages 0-2 it is a no-op.
+        """
+        from .gathered import GatheredParameters
+
+        return GatheredParameters(list(self.module.parameters()))
 
     def destroy(self) -> None:
         """Remove hooks; the engine is unusable afterwards."""
@@ -278,7 +289,14 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
     zopt = ZeroOptimizer(model, torch_opt, comm, stage=zero.stage,
                          bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
                          clip_norm=cfg.gradient_clipping, scaler=scaler,
-                         overlap_comm=zero.overlap_comm is not False)
+                         overlap_comm=zero.overlap_comm is not False,
+                         stage3=Stage3Options(
+                             prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+                             max_live_parameters=zero.stage3_max_live_parameters,
+                             max_reuse_distance=zero.stage3_max_reuse_distance,
+                             desync_timeout=zero.zeroshard_desync_timeout),
+                         persistence_threshold=zero.stage3_param_persistence_threshold,
+                         unit_classes=zero.zeroshard_unit_classes)
     if dtype is not None:
         model.to(dtype)  # what the units did not cover: frozen parameters and buffers
     _broadcast_from_rank0(model, zopt, comm)

@@ -1,15 +1,15 @@
-"""`GatheredParameters` and `Init`: DeepSpeed's ZeRO-3 contexts, as they behave at stages 0-2.
+"""`GatheredParameters`: DeepSpeed's context in which listed parameters are whole on every rank.
 
-At stages 0-2 every rank already holds whole parameters, so `GatheredParameters` gathers nothing.
-What it still owes the user is consistency: with `modifier_rank` set, that rank's in-place changes
-are broadcast to every rank on exit, and the fp32 master shards (separate copies in bf16/fp16)
-are refreshed from the changed parameters, so the next optimizer step does not overwrite the
-change. Without `modifier_rank`, changes stay local to each rank, as in DeepSpeed.
+At stage 3 (and for a model built under `zeroshard.Init` but not yet wrapped) the units holding
+the listed parameters are gathered on entry and kept gathered (pinned) until exit, so forward
+hooks inside the context do not free them. At stages 0-2 every rank already holds whole
+parameters and nothing is gathered.
 
-`Init` constructs the model normally at stages 0-2 (there is nothing to partition); under a stage-3
-config it refuses with "not supported yet" until stage 3 lands.
+On exit, with `modifier_rank` set, that rank's in-place changes are broadcast to every rank, copied
+into this rank's shard (stage 3) and into the fp32 master shards, so the next optimizer step does
+not overwrite them. Without `modifier_rank`, changes to sharded parameters are discarded when the
+unit is freed (stage 3), and stay local to each rank at stages 0-2, as in DeepSpeed.
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm
-from .config import NotSupportedYetError, load_config
+from .init import INIT_ATTR, gather_init_units
 from .optim import OWNER_ATTR
 
 
@@ -44,49 +44,53 @@ class GatheredParameters:
         self.enabled = enabled and bool(self.params)
 
     def __enter__(self):
+        if not self.enabled:
+            return self
+        self._pinned = {}  # id(policy) -> (policy, unit indices)
+        for param in self.params:
+            owner = getattr(param, OWNER_ATTR, None)
+            policy = owner[0].policy if owner is not None else None
+            if policy is not None and hasattr(policy, "pin"):
+                self._pinned.setdefault(id(policy), (policy, set()))[1].add(owner[1].index)
+        for policy, indices in self._pinned.values():
+            policy.pin(indices)
+        self._init_units = gather_init_units(self.params)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.enabled or self.modifier_rank is None or exc_type is not None:
+        if not self.enabled:
             return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                self._publish()
+        finally:
+            for policy, indices in self._pinned.values():
+                policy.unpin(indices)
+            for unit in self._init_units:
+                unit.release()
+
+    def _publish(self) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not 0 <= self.modifier_rank < world:
             raise ValueError(f"GatheredParameters: modifier_rank {self.modifier_rank} is not a rank "
                              f"of this world of {world}")
         with torch.no_grad():
             for param in self.params if world > 1 else ():
-                owner = getattr(param, OWNER_ATTR, None)
+                owner = getattr(param, OWNER_ATTR, None) or getattr(param, INIT_ATTR, None)
                 # Through the engine's Comm when there is one, so its comm ledger counts it.
-                comm = owner[0].comm if owner is not None else Comm()
+                comm = owner[0].comm if owner is not None and hasattr(owner[0], "comm") else \
+                    owner[1] if owner is not None else Comm()
                 comm.broadcast(param.data, src=self.modifier_rank)
+            for unit in self._init_units:
+                unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(dist.get_rank()
+                                                                    if world > 1 else 0))])
             _refresh_masters(self.params)
 
 
 def _refresh_masters(params: list[nn.Parameter]) -> None:
-    """Copy changed parameters into the fp32 master shards of the units that hold them."""
+    """Copy changed parameters into the shards and fp32 masters of the units that hold them."""
     for param in params:
         owner = getattr(param, OWNER_ATTR, None)
         if owner is not None:
             optimizer, unit = owner
             optimizer.refresh_master(unit, param)
-
-
-class Init:
-    """Construct a model under a ZeRO config: plain construction at stages 0-2."""
-
-    def __init__(self, config=None, config_dict_or_path=None, enabled: bool = True,
-                 remote_device=None, **_ignored):
-        source = config if config is not None else config_dict_or_path
-        self.enabled = enabled
-        if enabled and source is not None:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            cfg = load_config(source, world_size=world)
-            if cfg.zero_optimization.stage == 3:
-                raise NotSupportedYetError(
-                    "not supported yet: zeroshard.Init partitioning at construction (ZeRO stage 3)")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        return None

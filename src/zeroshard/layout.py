@@ -6,7 +6,9 @@ flat buffer, padded so that it splits into `world_size` equal contiguous shards;
 
 For stages 0-2 units are buckets of about `bucket_numel` elements (reduce_bucket_size, capped at
 1/8 of the model) in gradient-ready order (the reverse of registration); parameters of different
-optimizer param groups or dtypes never share one.
+optimizer param groups or dtypes never share one. Stage 3 builds units per module instead
+(`partition.py`) and keeps each one as a persistent shard whose full buffer only exists while the
+unit is gathered (`Unit.shard`, `Unit.release`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class Unit:
     flat: torch.Tensor | None = None
     numel: int = 0
     padded_numel: int = 0
+    #: Stage 3: this rank's persistent slice. `flat` then keeps its shape but its storage is
+    #: emptied between gathers; parameters stay views of `flat`, so autograd's saved views of them
+    #: see the data again once the storage is refilled.
+    shard: torch.Tensor | None = None
+    #: Stage 3: dotted names of the modules whose forward needs this unit gathered (for messages).
+    owner: str = ""
 
     @property
     def shard_numel(self) -> int:
@@ -76,14 +84,49 @@ class Unit:
         """The unit's parameters in layout order."""
         return [s.param for s in self.slots]
 
+    def describe(self) -> str:
+        """`unit 3 (blocks.1: blocks.1.attn.weight, ...)` for error messages."""
+        names = [s.name for s in self.slots]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        where = f"{self.owner}: " if self.owner else ""
+        return f"unit {self.index} ({where}{shown})"
+
     def cast(self, dtype: torch.dtype) -> None:
-        """Re-lay the flat buffer in `dtype` (mixed precision) and re-point the parameters."""
+        """Re-lay the unit in `dtype` (mixed precision) and re-point the parameters."""
         if self.flat.dtype == dtype:
             return
         self.dtype = dtype
-        self.flat = self.flat.to(dtype)
+        if self.shard is not None:
+            self.shard = self.shard.to(dtype)
+            self.flat = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
+        else:
+            self.flat = self.flat.to(dtype)
         for slot, view in self.views(self.flat):
             slot.param.data = view
+        if self.shard is not None:
+            self.release()
+
+    # -- stage 3: full buffer present only while gathered ----------------------------------------
+    def partition(self, rank: int) -> None:
+        """Keep only rank `rank`'s slice (a copy) and empty the full buffer's storage."""
+        self.shard = self.flat[slice(*self.shard_bounds(rank))].clone()
+        self.release()
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether the full buffer currently has storage (always true for unsharded units)."""
+        return self.flat.untyped_storage().nbytes() > 0
+
+    def allocate(self) -> torch.Tensor:
+        """Give the full buffer its storage back (contents undefined) and return it."""
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.padded_numel * self.flat.element_size())
+        return self.flat
+
+    def release(self) -> None:
+        """Free the full buffer's storage; parameters keep their shapes but hold no data."""
+        self.flat.untyped_storage().resize_(0)
 
 
 def padded_size(numel: int, world_size: int) -> int:

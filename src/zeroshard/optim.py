@@ -20,12 +20,15 @@ import torch
 from torch import nn
 
 from .comm import Comm
+from .init import take_full
 from .layout import Unit, build_units
+from .partition import build_stage3_layout
 from .policy import StagePolicy
 from .scaler import LossScaler
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
+from .stage3 import Stage3, Stage3Options
 
 POLICIES = {0: Stage0, 1: Stage1, 2: Stage2}
 
@@ -68,7 +71,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, stage: int,
                  bucket_numel: int, compute_dtype: torch.dtype | None, clip_norm: float,
-                 scaler: LossScaler, overlap_comm: bool = True):
+                 scaler: LossScaler, overlap_comm: bool = True,
+                 stage3: Stage3Options | None = None, persistence_threshold: int = 0,
+                 unit_classes: list[str] | None = None):
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -83,14 +88,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
                     for p in group["params"] if p.requires_grad}
-        # named_parameters() yields a tied weight once, under its first name.
-        named = list(model.named_parameters())
-        self.units: list[Unit] = build_units(named, group_of, comm.world_size, bucket_numel)
+        if stage == 3:
+            options = stage3 or Stage3Options()
+            layout = build_stage3_layout(model, group_of, comm.world_size, bucket_numel,
+                                         persistence_threshold, unit_classes)
+            self.units: list[Unit] = layout.units
+        else:
+            take_full(model.parameters())  # built under a stage-3 Init: whole again
+            # named_parameters() yields a tied weight once, under its first name.
+            self.units = build_units(list(model.named_parameters()), group_of, comm.world_size,
+                                     bucket_numel)
         # Every rank starts from rank 0's weights (as DDP does), taken in full precision before
         # masters are made and buffers cast, so unseeded initialisations cannot diverge.
         for unit in self.units:
             comm.broadcast(unit.flat, src=0)
-        self.policy: StagePolicy = POLICIES[stage](self.units, comm, overlap_comm, model)
+        if stage == 3:
+            # Stage 3 keeps only this rank's shard of each unit from here on.
+            self.policy: StagePolicy = Stage3(self.units, comm, overlap_comm, model, layout, options)
+        else:
+            self.policy = POLICIES[stage](self.units, comm, overlap_comm, model)
         # Masters are taken before casting so that they keep the full-precision initial values.
         self.masters = self._make_masters(compute_dtype)
         for unit in self.units:
@@ -105,8 +121,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_masters(self, compute_dtype: torch.dtype | None) -> list[nn.Parameter]:
         masters = []
         for unit in self.units:
-            lo, hi = self.policy.owned_bounds(unit)
-            owned = unit.flat[lo:hi]
+            owned = self.policy.owned_param(unit)
             # In fp32 the master *is* the owned slice of the parameter buffer: no second copy.
             in_fp32 = (compute_dtype or unit.dtype) == torch.float32
             data = owned if in_fp32 else owned.detach().float().clone()
@@ -131,10 +146,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Re-take the fp32 master of `param`'s owned part after the parameter changed in place."""
         slot = next(s for s in unit.slots if s.param is param)
         lo, hi = self.policy.owned_bounds(unit)
+        self.policy.commit(unit)
+        owned = self.policy.owned_param(unit)
         master = self.masters[unit.index]
         start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-        if start < end and master.data_ptr() != unit.flat[lo:hi].data_ptr():
-            master.data[start - lo:end - lo].copy_(unit.flat[start:end])
+        if start < end and master.data_ptr() != owned.data_ptr():
+            master.data[start - lo:end - lo].copy_(owned[start - lo:end - lo])
 
     # -- the optimizer interface users see -------------------------------------------------------
     @property
@@ -190,9 +207,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         self._drop_grads()
         for unit, master in zip(self.units, self.masters):
-            lo, hi = self.policy.owned_bounds(unit)
-            if master.data_ptr() != unit.flat[lo:hi].data_ptr():
-                unit.flat[lo:hi].copy_(master)
+            owned = self.policy.owned_param(unit)
+            if master.data_ptr() != owned.data_ptr():
+                owned.copy_(master)
         self.policy.gather_params()
         self.scaler.update(overflow=False, step=self.steps)
         self.step_applied = True
@@ -214,18 +231,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             master.grad = None
 
     def _nonfinite_message(self) -> str:
-        bad = [self._describe(u) for u in self.units if not self.policy.unit_grad_is_finite(u)]
+        bad = [u.describe() for u in self.units if not self.policy.unit_grad_is_finite(u)]
         where = f" on rank {self.comm.rank} in {', '.join(bad[:3])}" if bad else \
             f" on another rank than {self.comm.rank}"
         return (f"gradient norm is inf/nan at optimizer step {self.steps}{where}; the step was not "
                 "applied and parameters are unchanged. Check the loss for nan/inf (bad batch, "
                 "log of 0, too high learning rate) or use fp16 loss scaling / bf16.")
-
-    @staticmethod
-    def _describe(unit: Unit) -> str:
-        names = [s.name for s in unit.slots]
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        return f"unit {unit.index} ({shown})"
 
     # -- ledger ----------------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:

@@ -43,6 +43,18 @@ class StagePolicy:
             return unit.shard_bounds(self.comm.rank)
         return 0, unit.padded_numel
 
+    def owned_param(self, unit: Unit) -> torch.Tensor:
+        """The compute-dtype parameter slice this rank steps (a view of the full flat buffer)."""
+        lo, hi = self.owned_bounds(unit)
+        return unit.flat[lo:hi]
+
+    def commit(self, unit: Unit) -> None:
+        """Make the owned slice reflect in-place changes to the full parameters (no-op: a view)."""
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Parameter storage this policy holds now (for the memory ledger)."""
+        return [unit.flat for unit in self.units]
+
     # -- interface the optimizer calls ---------------------------------------------------------
     def setup(self) -> None:
         """Allocate gradient storage and register hooks."""

@@ -40,8 +40,8 @@ class Stage2(StagePolicy):
 
     def setup(self) -> None:
         """Allocate persistent gradient shards and hook every managed parameter."""
-        self.grad_shards = [torch.zeros(u.shard_numel, dtype=u.dtype, device=u.flat.device)
-                            for u in self.units]
+        self.grad_shards = {u.index: torch.zeros(u.shard_numel, dtype=u.dtype, device=u.flat.device)
+                            for u in self.units}
         self.buffers: dict[int, torch.Tensor] = {}  # unit index -> its full gradient, being filled
         self.filled: dict[int, list[bool]] = {}  # unit index -> which slots hold a gradient
         self.block_numel = {}  # dtype -> numel of the recycled blocks (the largest unit's)
@@ -49,7 +49,8 @@ class Stage2(StagePolicy):
             self.block_numel[unit.dtype] = max(self.block_numel.get(unit.dtype, 0), unit.padded_numel)
         self.pool: dict[torch.dtype, list[torch.Tensor]] = {}  # free blocks
         self.block_of: dict[int, torch.Tensor] = {}  # unit index -> the block its buffer is in
-        self.missing = [len(u.slots) for u in self.units]
+        self.missing = {u.index: len(u.slots) for u in self.units}
+        self.launched: set[int] = set()
         self.next_launch = 0
         self.in_flight = deque()
         self.callback_queued = False
@@ -88,6 +89,10 @@ class Stage2(StagePolicy):
             self.filled[unit.index][position] = True
         param.grad = None
         self.missing[unit.index] -= 1
+        self._ready(unit)
+
+    def _ready(self, unit: Unit) -> None:
+        """A gradient of `unit` arrived: launch whatever the fixed layout order allows."""
         self._launch(force=False)
 
     def _buffer(self, unit: Unit) -> torch.Tensor:
@@ -127,14 +132,20 @@ class Stage2(StagePolicy):
             unit = self.units[self.next_launch]
             if self.missing[unit.index] > 0 and not force:
                 return
-            buffer = self._buffer(unit)
-            del self.buffers[unit.index]
-            self._seal(unit, buffer)
-            handle = self.comm.reduce_scatter(buffer, async_op=True)
-            self.in_flight.append((unit, buffer, handle))
             self.next_launch += 1
-            while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
-                self._land()
+            if unit.index not in self.launched:
+                self._launch_unit(unit)
+
+    def _launch_unit(self, unit: Unit) -> None:
+        """Reduce-scatter `unit`'s gradient buffer (asynchronously) and bound what is in flight."""
+        buffer = self._buffer(unit)
+        del self.buffers[unit.index]
+        self._seal(unit, buffer)
+        self.launched.add(unit.index)
+        handle = self.comm.reduce_scatter(buffer, async_op=True)
+        self.in_flight.append((unit, buffer, handle))
+        while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
+            self._land()
 
     def _land(self) -> None:
         unit, buffer, handle = self.in_flight.popleft()
@@ -148,7 +159,8 @@ class Stage2(StagePolicy):
         self._launch(force=True)
         while self.in_flight:
             self._land()
-        self.missing = [len(u.slots) for u in self.units]
+        self.missing = {u.index: len(u.slots) for u in self.units}
+        self.launched: set[int] = set()
         self.next_launch = 0
         self.callback_queued = False
 
@@ -162,12 +174,12 @@ class Stage2(StagePolicy):
 
     def zero_grad(self) -> None:
         """Clear the gradient shards."""
-        for shard in self.grad_shards:
+        for shard in self.grad_shards.values():
             shard.zero_()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """The persistent gradient shards (unit buffers are reported under "buffers")."""
-        return list(self.grad_shards)
+        return list(self.grad_shards.values())
 
     def buffer_tensors(self) -> list[torch.Tensor]:
         """Unit-sized gradient buffers held now: being filled, or pooled for the next backward."""

@@ -1,5 +1,6 @@
 """DeepSpeed's `deepspeed.zero` namespace: `zero.Init` and `zero.GatheredParameters`."""
 
-from .gathered import GatheredParameters, Init
+from .gathered import GatheredParameters
+from .init import Init, load_full_state_dict
 
 __all__ = ["GatheredParameters", "Init"]

@@ -1,0 +1,220 @@
+"""`zeroshard.Init`: build a model already partitioned, so that no rank ever holds all of it.
+
+Inside `with zeroshard.Init(config=...)` (a stage-3 config) every `nn.Module` constructor is
+wrapped: when a module's own `__init__` returns, its direct trainable parameters (already
+initialised by the constructor) are laid end to end in one flat buffer, broadcast from rank 0
+(so every rank starts from rank 0's values, as without Init), and only this rank's 1/N slice is
+kept. Peak memory during construction is therefore about the largest module's own parameters plus
+Psi/N, and the values are exactly those of a normal construction under the same seed.
+
+`initialize()` later re-lays these construction-time units into stage-3 units (one module subtree
+each), gathering one construction unit at a time. Code that writes parameters after their module
+was built (a custom init pass over the whole model) must do so inside
+`zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed.
+`load_full_state_dict` fills a partitioned model from a full state dict, unit by unit, each rank
+copying only its slices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm
+from .config import load_config
+from .layout import Slot, Unit, padded_size
+
+#: Attribute on a parameter partitioned at construction: its construction-time Unit.
+INIT_ATTR = "_zeroshard_init_unit"
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+class Init:
+    """Construct models partitioned across ranks (stage 3); plain construction at stages 0-2."""
+
+    def __init__(self, config=None, config_dict_or_path=None, enabled: bool = True,
+                 remote_device=None, **_ignored):
+        source = config if config is not None else config_dict_or_path
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        stage = load_config(source, world_size=world).zero_optimization.stage if source else 0
+        self.enabled = enabled and stage == 3
+        if self.enabled and not dist.is_initialized():
+            raise RuntimeError("zeroshard.Init at stage 3 needs the process group: call "
+                               "zeroshard.init_distributed() first (torchrun sets the environment)")
+        self._patched: dict[type, object] = {}
+        self._depth: dict[int, int] = {}
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self.comm = Comm()
+        for cls in [nn.Module, *_subclasses(nn.Module)]:
+            self._wrap(cls)
+        self._had_init_subclass = "__init_subclass__" in nn.Module.__dict__
+        self._original_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls, **kwargs):
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            self._wrap(cls)  # classes defined inside the context are wrapped too
+
+        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.enabled:
+            return
+        if self._had_init_subclass:
+            nn.Module.__init_subclass__ = self._original_init_subclass
+        else:
+            del nn.Module.__init_subclass__
+        for cls, original in self._patched.items():
+            cls.__init__ = original
+        self._patched.clear()
+
+    def _wrap(self, cls) -> None:
+        if "__init__" not in cls.__dict__ or cls in self._patched:
+            return
+        original = cls.__dict__["__init__"]
+        self._patched[cls] = original
+
+        @functools.wraps(original)
+        def init(module, *args, **kwargs):
+            key = id(module)
+            self._depth[key] = self._depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                self._depth[key] -= 1
+            if self._depth[key] == 0:
+                del self._depth[key]
+                self._partition(module)
+
+        cls.__init__ = init
+
+    def _partition(self, module: nn.Module) -> None:
+        params = [(n, p) for n, p in module.named_parameters(recurse=False)
+                  if p.requires_grad and not hasattr(p, INIT_ATTR) and p.numel() > 0]
+        by_dtype: dict[torch.dtype, list] = {}
+        for name, param in params:
+            by_dtype.setdefault(param.dtype, []).append((name, param))
+        for dtype, members in by_dtype.items():
+            slots, offset = [], 0
+            for name, param in members:
+                slots.append(Slot(param, name, offset, param.numel(), param.shape))
+                offset += param.numel()
+            unit = Unit(-1, -1, dtype, slots, self.comm.world_size, numel=offset,
+                        padded_numel=padded_size(offset, self.comm.world_size))
+            unit.owner = type(module).__name__
+            flat = torch.zeros(unit.padded_numel, dtype=dtype, device=members[0][1].device)
+            for slot, view in unit.views(flat):
+                view.copy_(slot.param.detach())
+                slot.param.data = view
+            unit.flat = flat
+            self.comm.broadcast(flat, src=0)
+            unit.partition(self.comm.rank)
+            for slot in slots:
+                setattr(slot.param, INIT_ATTR, (unit, self.comm))
+                slot.param.ds_shape = slot.shape
+                slot.param.ds_numel = slot.numel
+
+
+def init_units(model: nn.Module) -> list[Unit]:
+    """The construction-time units still holding parameters of `model` (each once)."""
+    units = {}
+    for param in model.parameters():
+        owner = getattr(param, INIT_ATTR, None)
+        if owner is not None:
+            units[id(owner[0])] = owner[0]
+    return list(units.values())
+
+
+def gather_init_units(params) -> list[Unit]:
+    """Gather the construction-time units of `params` (in a rank-independent order)."""
+    units, seen = [], set()
+    for param in params:
+        owner = getattr(param, INIT_ATTR, None)
+        if owner is not None and id(owner[0]) not in seen:
+            seen.add(id(owner[0]))
+            units.append(owner)
+    for unit, comm in units:
+        if not unit.is_gathered:
+            comm.all_gather(unit.allocate(), unit.shard)
+    return [u for u, _ in units]
+
+
+def take_full(params) -> None:
+    """Give construction-partitioned `params` whole storage again, one construction unit at a time."""
+    pending = [p for p in params if hasattr(p, INIT_ATTR)]
+    while pending:
+        unit = getattr(pending[0], INIT_ATTR)[0]
+        mine = [p for p in pending if getattr(p, INIT_ATTR)[0] is unit]
+        gather_init_units(mine)
+        wanted = {id(p) for p in mine}
+        for slot, view in unit.views(unit.flat):
+            if id(slot.param) in wanted:
+                slot.param.data = view.clone()
+                delattr(slot.param, INIT_ATTR)
+        if not any(hasattr(s.param, INIT_ATTR) for s in unit.slots):
+            unit.shard = None  # every parameter has left this construction unit
+        unit.release()
+        pending = [p for p in pending if id(p) not in wanted]
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict into a model trained by zeroshard at any stage.
+
+    Each rank copies only the slices it owns, one unit at a time, and fp32 master weights are
+    refreshed; no unit is ever gathered. Missing or unexpected keys raise an error naming them.
+    """
+    from .optim import OWNER_ATTR
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected = set(model.state_dict().keys())
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys "
+                       f"{unexpected[:8]}; nothing was loaded")
+    for name, param in model.named_parameters():
+        if tuple(state_dict[name].shape) != tuple(getattr(param, "ds_shape", param.shape)):
+            raise ValueError(f"load_full_state_dict: {name} has shape "
+                             f"{tuple(state_dict[name].shape)} in the state dict but "
+                             f"{tuple(param.shape)} in the model; nothing was loaded")
+    done = set()
+    for param in model.parameters():
+        owner = getattr(param, OWNER_ATTR, None) or getattr(param, INIT_ATTR, None)
+        if owner is None:
+            param.data.copy_(state_dict[names[id(param)]])
+            continue
+        holder, unit = (owner[0], owner[1]) if hasattr(owner[0], "policy") else (None, owner[0])
+        if id(unit) in done:
+            continue
+        done.add(id(unit))
+        rank = holder.comm.rank if holder is not None else owner[1].rank
+        lo, hi = unit.shard_bounds(rank)
+        target = holder.policy.owned_param(unit) if holder is not None else \
+            (unit.shard if unit.shard is not None else unit.flat[lo:hi])
+        for slot in unit.slots:
+            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if start < end:
+                source = state_dict[names[id(slot.param)]].reshape(-1)
+                target[start - lo:end - lo].copy_(source[start - slot.offset:end - slot.offset])
+        if unit.is_gathered and unit.shard is not None:
+            unit.release()  # a stale full copy must not outlive the new values
+        if holder is not None:
+            if not holder.policy.shards_optimizer or unit.shard is None:
+                for slot in unit.slots:  # whole on every rank: copy the parameter itself
+                    slot.param.data.copy_(state_dict[names[id(slot.param)]])
+            for slot in unit.slots:
+                holder.refresh_master(unit, slot.param)
+    for name, buf in model.named_buffers():
+        if name in state_dict:
+            buf.copy_(state_dict[name])

@@ -1,0 +1,281 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all sharded; units gathered on demand.
+
+Units are module subtrees (`partition.py`): each keeps only this rank's 1/N shard between uses;
+its full flat buffer keeps its shape but has its storage emptied, so the parameters (views of it)
+keep their shapes and names, and views autograd saved in forward see the data again once the
+storage is refilled. Small parameters (below `stage3_param_persistence_threshold` elements) stay
+whole on every rank and follow stage 2.
+
+Communication plan, per micro-step (before each collective the ranks compare what they are about
+to do, `desync.py`):
+  1. forward: a unit module's pre-hook all-gathers the units it needs (`unshard`) and prefetches
+     the next ones in the recorded order (`schedule.py`); its post-hook frees them (`reshard`)
+     unless they are needed again soon (`stage3_max_reuse_distance`). The root unit (parameters
+     outside the unit modules) is gathered by the model's own pre-hook for the whole forward.
+     Ring cost: Psi x (N-1)/N elements per rank.
+  2. backward: a hook on each unit module's outputs gathers its units again just before autograd
+     reaches the module (and prefetches in the recorded backward order). Ring cost: at most
+     Psi x (N-1)/N (less what reuse kept gathered, typically the last block and the root).
+  3. as each unit's gradients complete (post-accumulate-grad hooks), its gradient buffer is
+     reduce-scattered in place, this rank's slice is added (divided by N) into its persistent
+     gradient shard, and the unit is freed. Ring cost: Psi x (N-1)/N. End of backward: units
+     with unused parameters are reduce-scattered with zeros, everything still gathered is freed.
+  4. step (accumulation boundary): rank r steps only its shards. Persistent parameters are then
+     all-gathered as at stage 2; sharded units need nothing (their next use gathers them).
+Total per micro-step: 3 x Psi x (N-1)/N, as in the ZeRO paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .comm import Comm
+from .desync import OrderGuard
+from .layout import Unit
+from .partition import Stage3Layout
+from .schedule import Schedule
+from .stage2 import Stage2
+
+
+@dataclass(kw_only=True)
+class Stage3Options:
+    """The `stage3_*` knobs, in elements."""
+
+    prefetch_bucket_size: int = 50_000_000
+    """Elements gathered ahead of need at any time."""
+    max_live_parameters: int = 1_000_000_000
+    """Prefetch and reuse never take gathered elements above this."""
+    max_reuse_distance: int = 1_000_000_000
+    """Keep a unit gathered if it is needed again within this many elements of other units."""
+    desync_timeout: float = 300.0
+    """Seconds a rank waits for its peers before a stage-3 collective; 0 disables the check."""
+
+
+class Stage3(Stage2):
+    """Sharded params, grads and optimizer state; per-unit gather, release and reduce-scatter."""
+
+    stage = 3
+
+    def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True,
+                 module: torch.nn.Module | None = None, layout: Stage3Layout | None = None,
+                 options: Stage3Options | None = None):
+        super().__init__(units, comm, overlap_comm, module)
+        self.layout = layout
+        self.options = options or Stage3Options()
+        self.by_index = {u.index: u for u in units}
+        self.sharded = {u.index for u in units if u.index not in layout.persistent}
+        for index in sorted(self.sharded):
+            self.by_index[index].partition(comm.rank)
+        self.schedule = Schedule({u.index: u.padded_numel for u in units},
+                                 self.options.prefetch_bucket_size,
+                                 self.options.max_live_parameters,
+                                 self.options.max_reuse_distance)
+        self.guard = OrderGuard(comm, self.options.desync_timeout,
+                                lambda i: self.by_index[i].describe())
+        self.pending: dict[int, object] = {}  # unit index -> in-flight gather handle
+        self.active: dict[int, int] = {}  # unit index -> modules running forward that need it
+        self.pinned: dict[int, int] = {}  # unit index -> GatheredParameters contexts holding it
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self.gathers = 0
+
+    # -- ownership -----------------------------------------------------------------------------
+    def owned_param(self, unit: Unit) -> torch.Tensor:
+        """This rank's persistent compute-dtype slice: the shard for sharded units."""
+        if unit.index in self.sharded:
+            return unit.shard
+        return super().owned_param(unit)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Parameter storage held now: shards, plus full buffers of gathered units."""
+        return [u.shard if u.index in self.sharded else u.flat for u in self.units] + \
+            [u.flat for u in self.units if u.index in self.sharded and u.is_gathered]
+
+    # -- unshard / reshard -----------------------------------------------------------------------
+    def _issue(self, unit: Unit) -> None:
+        """Start gathering `unit` into its full buffer (no-op if gathered or on its way)."""
+        if unit.index in self.pending or unit.is_gathered:
+            return
+        self.guard.check("gather", unit.index)
+        flat = unit.allocate()
+        self.live_numel += unit.padded_numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        self.gathers += 1
+        self.pending[unit.index] = self.comm.all_gather(flat, unit.shard, async_op=True)
+
+    def unshard(self, indices) -> None:
+        """Make the listed sharded units whole on this rank (waits for them)."""
+        todo = [i for i in indices if i in self.sharded]
+        for index in todo:
+            self._issue(self.by_index[index])
+        for index in todo:
+            handle = self.pending.pop(index, None)
+            if handle is not None:
+                handle.wait()
+
+    def reshard(self, index: int) -> None:
+        """Free unit `index`'s full buffer (keeps pinned units)."""
+        unit = self.by_index[index]
+        if index not in self.sharded or self.pinned.get(index) or not unit.is_gathered:
+            return
+        handle = self.pending.pop(index, None)
+        if handle is not None:
+            handle.wait()  # never free storage a collective is still writing
+        unit.release()
+        self.live_numel -= unit.padded_numel
+
+    def reshard_all(self) -> None:
+        """Free every gathered (unpinned) unit."""
+        for index in sorted(self.sharded):
+            self.reshard(index)
+
+    def _prefetch(self) -> None:
+        budget = self.options.prefetch_bucket_size
+        for index in self.schedule.upcoming():
+            unit = self.by_index[index]
+            if unit.is_gathered or index in self.pending:
+                continue
+            if unit.padded_numel > budget or \
+                    self.live_numel + unit.padded_numel > self.options.max_live_parameters:
+                return
+            self._issue(unit)
+            budget -= unit.padded_numel
+
+    # -- forward -----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Stage-2 gradient machinery plus gather/release hooks on every unit module."""
+        super().setup()
+        for module in self.layout.modules:
+            needs = self.layout.needs[id(module)]
+            is_root = module is self.module
+            if not needs and not is_root:  # the root's pre-hook also marks each new step
+                continue
+            self.hooks.append(module.register_forward_pre_hook(
+                lambda mod, args, n=needs, r=is_root: self._pre_forward(n, r)))
+            self.hooks.append(module.register_forward_hook(
+                lambda mod, args, out, n=needs: self._post_forward(n, out)))
+
+    def _pre_forward(self, needs: list[int], is_root: bool) -> None:
+        in_backward = _in_backward()
+        if is_root and not in_backward:
+            self.schedule.start_step()
+            self.active.clear()
+        for index in needs:
+            self.active[index] = self.active.get(index, 0) + 1
+        if not in_backward:
+            self.schedule.demand(needs)
+        self.unshard(needs)
+        if not in_backward:
+            self._prefetch()
+
+    def _post_forward(self, needs: list[int], output) -> None:
+        for index in needs:
+            self.active[index] = max(0, self.active.get(index, 0) - 1)
+        if _in_backward():
+            return  # activation-checkpoint recompute: the unit's backward follows at once
+        wants_backward = torch.is_grad_enabled() and any(
+            torch.is_tensor(t) and t.requires_grad for t in tree_leaves(output))
+        if wants_backward:
+            fired = [False]
+            for leaf in tree_leaves(output):
+                if torch.is_tensor(leaf) and leaf.requires_grad:
+                    leaf.register_hook(lambda grad, n=needs, f=fired: self._pre_backward(n, f))
+        for index in needs:
+            if self.active.get(index):
+                continue  # an enclosing module (e.g. one sharing a tied weight) still runs
+            if wants_backward and self.schedule.reuse_soon(index) and \
+                    self.live_numel <= self.options.max_live_parameters:
+                continue
+            self.reshard(index)
+
+    # -- backward ----------------------------------------------------------------------------------
+    def _pre_backward(self, needs: list[int], fired: list[bool]) -> None:
+        self._queue_end_of_backward()
+        if fired[0]:
+            return
+        fired[0] = True
+        self.schedule.demand(needs)
+        self.unshard(needs)
+        self._prefetch()
+
+    def _ready(self, unit: Unit) -> None:
+        """Reduce-scatter a unit as soon as all its gradients are in, then free it."""
+        if self.missing[unit.index] <= 0 and unit.index not in self.launched:
+            self._launch_unit(unit)
+
+    def _launch_unit(self, unit: Unit) -> None:
+        self.guard.check("reduce-scatter", unit.index)
+        super()._launch_unit(unit)
+        self.reshard(unit.index)
+
+    def _end_of_backward(self) -> None:
+        for unit in self.units:
+            if unit.index not in self.launched:
+                self._launch_unit(unit)  # unused parameters: zeros where no gradient came
+        while self.in_flight:
+            self._land()
+        for index in list(self.buffers):
+            # A gradient that arrived after its unit was launched (a parameter used again by a
+            # later reentrant-checkpoint backward): reduce it on its own.
+            unit = self.by_index[index]
+            self.guard.check("reduce-scatter", index)
+            super()._launch_unit(unit)
+        while self.in_flight:
+            self._land()
+        self.reshard_all()
+        self.schedule.finish_backward()
+        self.missing = {u.index: len(u.slots) for u in self.units}
+        self.launched.clear()
+        self.callback_queued = False
+
+    # -- interface -------------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Check the ranks agree that this is a step; free anything still gathered."""
+        self.guard.check("optimizer step")
+        self.reshard_all()
+
+    def gather_params(self) -> None:
+        """All-gather the persistent units (and pinned ones); the rest wait for their next use."""
+        for index in sorted(self.layout.persistent):
+            unit = self.by_index[index]
+            lo, hi = unit.shard_bounds(self.comm.rank)
+            self.comm.all_gather(unit.flat, unit.flat[lo:hi])
+        for index in sorted(i for i, n in self.pinned.items() if n):
+            # A model gathered for inference (GatheredParameters) sees the updated weights.
+            unit = self.by_index[index]
+            self.guard.check("gather", index)
+            self.comm.all_gather(unit.flat, unit.shard)
+
+    def pin(self, indices) -> None:
+        """Gather the listed units and keep them gathered until `unpin` (GatheredParameters)."""
+        indices = sorted(i for i in set(indices) if i in self.sharded)
+        for index in indices:
+            self.pinned[index] = self.pinned.get(index, 0) + 1
+        self.unshard(indices)
+
+    def unpin(self, indices) -> None:
+        """Undo one `pin`; units no module is running are freed."""
+        for index in sorted(i for i in set(indices) if i in self.sharded):
+            self.pinned[index] = max(0, self.pinned.get(index, 0) - 1)
+            if not self.active.get(index):
+                self.reshard(index)
+
+    def commit(self, unit: Unit) -> None:
+        """Copy this rank's slice of a gathered unit's (changed) full buffer into its shard."""
+        if unit.index in self.sharded and unit.is_gathered:
+            unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(self.comm.rank))])
+
+    def close(self) -> None:
+        """Remove hooks and leave every unit gathered, so the module works on its own again."""
+        super().close()
+        for index in sorted(self.sharded):
+            self.pinned.pop(index, None)
+        self.unshard(sorted(self.sharded))
+
+
+def _in_backward() -> bool:
+    """True while autograd is running a backward on this thread (e.g. a checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1

@@ -11,16 +11,19 @@ from tests.models import lm_loss, make_batches, make_model, micro_slice, referen
 
 STEPS = 5
 MICRO = 2
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def _config(stage, **extra):
+    # At stage 3 every parameter is sharded (none small enough to stay whole).
+    stage3 = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     return {"train_micro_batch_size_per_gpu": MICRO,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}, **extra}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, **stage3}, **extra}
 
 
 def _snapshot(engine):
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with zeroshard.GatheredParameters(list(engine.module.parameters())):  # whole at stage 3
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     state = [t.clone() for s in engine.optimizer.state.values() for t in s.values()
              if torch.is_tensor(t)]
     masters = [m.detach().clone() for m in engine.optimizer.masters]
@@ -56,10 +59,10 @@ def _bf16(rank, world, stage):
         engine.step()
     dtypes = {p.dtype for p in model.parameters()}
     master_dtypes = {m.dtype for m in engine.optimizer.masters}
+    engine.destroy()  # leaves a stage-3 model whole
     worst = max(((p.detach().float() - ref[n]).abs().max() / ref[n].abs().max()).item()
                 for n, p in model.named_parameters())
     moved = max(((init[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
-    engine.destroy()
     return {"worst": worst, "moved": moved, "dtypes": dtypes, "master_dtypes": master_dtypes,
             "masters_exact": masters_exact}
 

@@ -35,7 +35,7 @@ GRID = [dict(gas=g, clip=c, opt=o, mode=m)
         for g, c, o, m in itertools.product((1, 3), (0.0, CLIP), OPTIMIZERS, MODES)]
 EXTRA = [dict(kind=k) for k in ("ckpt_reentrant", "ckpt_plain", "reuse", "dict_io", "two_groups",
                                 "frozen", "persist", "ds_defaults", "unit_classes", "init",
-                                "eval", "gathered")]
+                                "eval", "gathered", "prepare")]
 
 
 def _config(gas=1, clip=0.0, mode="lean", **zero):
@@ -112,7 +112,18 @@ def _run_extra_case(rank, world, kind):
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=factory(model),
                                            config=_config(mode=mode, **zero))
     names_before = [n for n, _ in model.named_parameters()]
-    _train(engine, batches, rank, world, 1, dict_io=kind == "dict_io")
+    if kind == "prepare":  # the plain PyTorch loop: loss.backward(); opt.step(); opt.zero_grad()
+        engine.destroy()
+        model = make_model()
+        model, optimizer = zeroshard.prepare(model, factory(model), _config())
+        engine = optimizer.engine
+        for batch in batches:
+            tokens, targets = micro_slice(batch, 0, rank, world, MICRO)
+            lm_loss(model(tokens), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        _train(engine, batches, rank, world, 1, dict_io=kind == "dict_io")
     extra["names_kept"] = names_before == [n for n, _ in model.named_parameters()] and \
         list(model.state_dict()) == list(make_model().state_dict())
     if kind == "eval":
@@ -148,6 +159,13 @@ def _gathered_checks(engine, model, rank):
     saved = {}
     with zeroshard.GatheredParameters(list(model.parameters())):
         saved = {k: v.clone() for k, v in model.state_dict().items()}
+    consolidated = engine.consolidated_state_dict(rank0_only=False)
+    same = list(consolidated) == list(saved) and \
+        all(torch.equal(consolidated[k], v) for k, v in saved.items())
+    rank0 = engine._zero3_consolidated_16bit_state_dict()
+    rank0_ok = (len(rank0) == len(saved)) if rank == 0 else rank0 == {}
+    with pytest.warns(UserWarning, match="stage3_gather_16bit_weights_on_model_save"):
+        rank0_ok &= engine.save_16bit_model("/nonexistent/never-written") is False
     with zeroshard.GatheredParameters(weight, modifier_rank=0):
         if rank == 0:
             weight.data.fill_(0.5)
@@ -159,7 +177,8 @@ def _gathered_checks(engine, model, rank):
     zeroshard.load_full_state_dict(model, saved)
     with zeroshard.GatheredParameters(list(model.parameters())):
         restored = all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
-    return {"modifier_kept": kept, "unmodified_discarded": discarded, "restored": restored}
+    return {"modifier_kept": kept, "unmodified_discarded": discarded, "restored": restored,
+            "consolidated": same and rank0_ok}
 
 
 def _all_cases(rank, world):
@@ -204,3 +223,4 @@ def test_stage3_real_model_features(world_results, case):
             assert got["eval_freed"] and got["gathered_whole"]
         if case["kind"] == "gathered":
             assert got["modifier_kept"] and got["unmodified_discarded"] and got["restored"]
+            assert got["consolidated"], "consolidated_state_dict differs from the gathered model"

@@ -192,6 +192,38 @@ class Engine(nn.Module):
 
         return GatheredParameters(list(self.module.parameters()))
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether `save_16bit_model` gathers stage-3 weights (stage3_gather_16bit_weights_on_model_save)."""
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def consolidated_state_dict(self, rank0_only: bool = True) -> dict:
+        """The whole model's state dict in the compute dtype, gathered unit by unit (all ranks call)."""
+        from .gathered import full_state_dict
+
+        return full_state_dict(self.module, rank0_only)
+
+    def _zero3_consolidated_16bit_state_dict(self) -> dict:
+        """DeepSpeed's name (used by Hugging Face Trainer): the consolidated state dict on rank 0."""
+        return self.consolidated_state_dict(rank0_only=True)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Rank 0 writes the consolidated weights with torch.save; False when stage 3 is not set
+        to gather them (stage3_gather_16bit_weights_on_model_save), as in DeepSpeed."""
+        if self.zero_optimization_stage() == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            warnings.warn("save_16bit_model: nothing saved, because at stage 3 it needs "
+                          "zero_optimization.stage3_gather_16bit_weights_on_model_save=true "
+                          "(or use engine.consolidated_state_dict())", stacklevel=2)
+            return False
+        state = self.consolidated_state_dict(rank0_only=True)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            tmp = path + ".tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, path)  # never a half-written file under the final name
+        self.comm.barrier()
+        return True
+
     def destroy(self) -> None:
         """Remove hooks; the engine is unusable afterwards."""
         self.optimizer.close()

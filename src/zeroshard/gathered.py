@@ -87,6 +87,15 @@ class GatheredParameters:
             _refresh_masters(self.params)
 
 
+def _unit_of(param: nn.Parameter):
+    """The engine unit (or construction-time unit) holding `param`, or None."""
+    owner = getattr(param, OWNER_ATTR, None)
+    if owner is not None:
+        return owner[1]
+    owner = getattr(param, INIT_ATTR, None)
+    return owner[0] if owner is not None else None
+
+
 def _refresh_masters(params: list[nn.Parameter]) -> None:
     """Copy changed parameters into the shards and fp32 masters of the units that hold them."""
     for param in params:
@@ -94,3 +103,26 @@ def _refresh_masters(params: list[nn.Parameter]) -> None:
         if owner is not None:
             optimizer, unit = owner
             optimizer.refresh_master(unit, param)
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict:
+    """`module.state_dict()` with whole tensors, gathered one unit at a time (stage 3).
+
+    Every rank must call it (the gathers are collective). With `rank0_only`, ranks other than 0
+    return an empty dict and keep nothing; rank 0 holds the result plus one unit at a time.
+    """
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    tensors = module.state_dict(keep_vars=True)
+    copies: dict[int, torch.Tensor] = {}
+    batches: dict[int, list[nn.Parameter]] = {}  # one gather per unit, in registration order
+    for param in module.parameters():
+        batches.setdefault(id(_unit_of(param) or param), []).append(param)
+    for params in batches.values():
+        with GatheredParameters(params):
+            if keep:
+                for param in params:
+                    copies[id(param)] = param.detach().clone()
+    if not keep:
+        return {}
+    return {name: copies[id(t)] if id(t) in copies else t.detach().clone()
+            for name, t in tensors.items()}

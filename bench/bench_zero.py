@@ -31,6 +31,7 @@ IMPLS = {
     "zeroshard-s0": ("zeroshard", 0),
     "zeroshard-s1": ("zeroshard", 1),
     "zeroshard-s2": ("zeroshard", 2),
+    "zeroshard-s3": ("zeroshard", 3),
     "deepspeed-s1": ("deepspeed", 1),
     "deepspeed-s2": ("deepspeed", 2),
     "deepspeed-s3": ("deepspeed", 3),
@@ -49,6 +50,12 @@ LR = 1e-4
 MODEL_KW = dict(n_layer=8, n_embd=768, n_head=12, n_positions=128)
 # A byte-sized vocabulary puts the tied embedding at 0.2 M params, for ~57.0 M parameters in total.
 VOCAB = 256
+# Stage-3 knobs given to zeroshard and DeepSpeed alike (elements). DeepSpeed's defaults (1e9 live,
+# 1e9 reuse distance) keep every parameter of a model this size gathered for the whole step, which
+# is stage 2 with extra gathers. These hold about two blocks (7.1 M each): the one running and the
+# one prefetched, and keep the last block of forward for the first of backward.
+STAGE3 = {"stage3_prefetch_bucket_size": 8_000_000, "stage3_max_live_parameters": 16_000_000,
+          "stage3_max_reuse_distance": 8_000_000}
 BENCH_DIR = Path(__file__).resolve().parent
 
 
@@ -79,8 +86,10 @@ def count_params() -> int:
 
 def zero_config(args, stage: int, for_deepspeed: bool) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": int(args.bucket)}
-    if stage in (1, 2) or not for_deepspeed:
+    if stage in (1, 2):
         zero["allgather_bucket_size"] = int(args.bucket)
+    if stage == 3:
+        zero.update(STAGE3)
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,

@@ -103,7 +103,7 @@ def _run_extra_case(rank, world, kind):
     if kind == "init":
         with zeroshard.Init(config=_config()):
             model = make_model()
-        trainable = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.ds_numel for p in model.parameters())
         units = init_units(model)
         extra["init_empty"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
         extra["init_share"] = (sum(u.shard.numel() for u in units), trainable, len(units))

@@ -162,8 +162,8 @@ def take_full(params) -> None:
             if id(slot.param) in wanted:
                 slot.param.data = view.clone()
                 delattr(slot.param, INIT_ATTR)
-        if not any(hasattr(s.param, INIT_ATTR) for s in unit.slots):
-            unit.shard = None  # every parameter has left this construction unit
+        # The parameters that left keep their copies; the rest stay partitioned.
+        unit.slots = [s for s in unit.slots if id(s.param) not in wanted]
         unit.release()
         pending = [p for p in pending if id(p) not in wanted]
 
@@ -190,31 +190,30 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
                              f"{tuple(param.shape)} in the model; nothing was loaded")
     done = set()
     for param in model.parameters():
-        owner = getattr(param, OWNER_ATTR, None) or getattr(param, INIT_ATTR, None)
-        if owner is None:
+        engine_owner = getattr(param, OWNER_ATTR, None)
+        init_owner = getattr(param, INIT_ATTR, None)
+        if engine_owner is None and init_owner is None:
             param.data.copy_(state_dict[names[id(param)]])
             continue
-        holder, unit = (owner[0], owner[1]) if hasattr(owner[0], "policy") else (None, owner[0])
+        optimizer, unit = engine_owner if engine_owner is not None else (None, init_owner[0])
         if id(unit) in done:
             continue
         done.add(id(unit))
-        rank = holder.comm.rank if holder is not None else owner[1].rank
-        lo, hi = unit.shard_bounds(rank)
-        target = holder.policy.owned_param(unit) if holder is not None else \
-            (unit.shard if unit.shard is not None else unit.flat[lo:hi])
-        for slot in unit.slots:
-            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if start < end:
-                source = state_dict[names[id(slot.param)]].reshape(-1)
-                target[start - lo:end - lo].copy_(source[start - slot.offset:end - slot.offset])
-        if unit.is_gathered and unit.shard is not None:
-            unit.release()  # a stale full copy must not outlive the new values
-        if holder is not None:
-            if not holder.policy.shards_optimizer or unit.shard is None:
-                for slot in unit.slots:  # whole on every rank: copy the parameter itself
-                    slot.param.data.copy_(state_dict[names[id(slot.param)]])
+        if unit.is_gathered:  # whole here (stages 0-2, or gathered now): update every element
             for slot in unit.slots:
-                holder.refresh_master(unit, slot.param)
+                slot.param.data.copy_(state_dict[names[id(slot.param)]])
+        if unit.shard is not None:  # partitioned: this rank's slice of each parameter
+            rank = (optimizer.comm if optimizer is not None else init_owner[1]).rank
+            lo, hi = unit.shard_bounds(rank)
+            for slot in unit.slots:
+                start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+                if start < end:
+                    source = state_dict[names[id(slot.param)]].reshape(-1)
+                    unit.shard[start - lo:end - lo].copy_(
+                        source[start - slot.offset:end - slot.offset])
+        if optimizer is not None:
+            for slot in unit.slots:
+                optimizer.refresh_master(unit, slot.param)
     for name, buf in model.named_buffers():
         if name in state_dict:
             buf.copy_(state_dict[name])

@@ -117,16 +117,69 @@ class Unit:
         """Whether the full buffer currently has storage (always true for unsharded units)."""
         return self.flat.untyped_storage().nbytes() > 0
 
-    def allocate(self) -> torch.Tensor:
-        """Give the full buffer its storage back (contents undefined) and return it."""
+    def allocate(self, pool: "StoragePool | None" = None) -> torch.Tensor:
+        """Give the full buffer storage (contents undefined), point the parameters at it, return it."""
         storage = self.flat.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.padded_numel * self.flat.element_size())
+            nbytes = self.padded_numel * self.flat.element_size()
+            if pool is not None:
+                pool.lend(storage, nbytes)
+            else:
+                storage.resize_(nbytes)
+        for slot, view in self.views(self.flat):
+            slot.param.data = view
         return self.flat
 
-    def release(self) -> None:
-        """Free the full buffer's storage; parameters keep their shapes but hold no data."""
-        self.flat.untyped_storage().resize_(0)
+    def release(self, pool: "StoragePool | None" = None) -> None:
+        """Free the full buffer's storage; parameters hold empty tensors until the next gather.
+
+        The storage object itself stays: views of it that autograd saved in forward see the data
+        again once the unit is gathered for backward. The parameters are re-pointed at an empty
+        tensor (shape in `ds_shape`), so touching one while released is an ordinary error.
+        """
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() > 0:
+            if pool is not None:
+                pool.take_back(storage)
+            else:
+                storage.resize_(0)
+        empty = torch.empty(0, dtype=self.flat.dtype, device=self.flat.device)
+        for slot in self.slots:
+            slot.param.data = empty
+            slot.param.ds_shape = slot.shape
+            slot.param.ds_numel = slot.numel
+
+
+class StoragePool:
+    """Memory for gathered stage-3 units, reused instead of freed (glibc keeps freed 28 MB blocks
+    in a fragmented heap: measured +380 MiB RSS over 4 steps of the bench model without a pool).
+
+    A unit's full-buffer storage object must stay the same (autograd saved views of it), so the
+    pool moves the *bytes*: `lend` swaps a spare block's data pointer into the unit's empty
+    storage, `take_back` swaps it out into a spare again. Blocks are kept per (device, size);
+    their number is bounded by how many units of that size are ever gathered at once.
+    """
+
+    def __init__(self):
+        self.free: dict[tuple[str, int], list[torch.UntypedStorage]] = {}
+
+    def lend(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Fill an empty `storage` with `nbytes` bytes from the pool (or fresh memory)."""
+        spare = self.free.get((str(storage.device), nbytes))
+        block = spare.pop() if spare else torch.UntypedStorage(nbytes, device=storage.device)
+        storage._swap_data_ptr_(block)
+
+    def take_back(self, storage: torch.UntypedStorage) -> None:
+        """Move `storage`'s bytes into the pool, leaving it empty."""
+        key = (str(storage.device), storage.nbytes())
+        block = torch.UntypedStorage(0, device=storage.device)
+        storage._swap_data_ptr_(block)
+        self.free.setdefault(key, []).append(block)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Spare blocks as byte tensors (for the memory ledger)."""
+        return [torch.empty(0, dtype=torch.uint8, device=b.device).set_(b)
+                for blocks in self.free.values() for b in blocks]
 
 
 def padded_size(numel: int, world_size: int) -> int:

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from .comm import Comm
 from .desync import OrderGuard
-from .layout import Unit
+from .layout import StoragePool, Unit
 from .partition import Stage3Layout
 from .schedule import Schedule
 from .stage2 import Stage2
@@ -67,6 +67,7 @@ class Stage3(Stage2):
         self.options = options or Stage3Options()
         self.by_index = {u.index: u for u in units}
         self.sharded = {u.index for u in units if u.index not in layout.persistent}
+        self.gathered_pool = StoragePool() if hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
         for index in sorted(self.sharded):
             self.by_index[index].partition(comm.rank)
         self.schedule = Schedule({u.index: u.padded_numel for u in units},
@@ -94,13 +95,17 @@ class Stage3(Stage2):
         return [u.shard if u.index in self.sharded else u.flat for u in self.units] + \
             [u.flat for u in self.units if u.index in self.sharded and u.is_gathered]
 
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """Gradient buffers (as stage 2) plus spare gathered-unit memory kept in the pool."""
+        return super().buffer_tensors() + (self.gathered_pool.tensors() if self.gathered_pool else [])
+
     # -- unshard / reshard -----------------------------------------------------------------------
     def _issue(self, unit: Unit) -> None:
         """Start gathering `unit` into its full buffer (no-op if gathered or on its way)."""
         if unit.index in self.pending or unit.is_gathered:
             return
         self.guard.check("gather", unit.index)
-        flat = unit.allocate()
+        flat = unit.allocate(self.gathered_pool)
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         self.gathers += 1
@@ -124,7 +129,7 @@ class Stage3(Stage2):
         handle = self.pending.pop(index, None)
         if handle is not None:
             handle.wait()  # never free storage a collective is still writing
-        unit.release()
+        unit.release(self.gathered_pool)
         self.live_numel -= unit.padded_numel
 
     def reshard_all(self) -> None:

@@ -8,6 +8,7 @@ from round 2 on) to spread machine noise, then prints a markdown table.
 
     python bench/bench_zero.py                       # 3 rounds x every implementation
     python bench/bench_zero.py --rounds 1 --impls ddp,deepspeed-s2 --steps 4
+    python bench/bench_zero.py --summarize bench/results/latest.json   # re-print a saved run
 
 The same file is the worker (``--worker``); the driver launches it through torchrun.
 """
@@ -438,12 +439,28 @@ def summarize(args, impls, runs, failures, n_params, wall_total) -> str:
         if ddp:
             lines.append(rss_target(s, z, ddp["rss"], "DDP"))
 
+    z3 = row.get("zeroshard-s3")
+    if z3 is None:
+        lines.append("- zeroshard-s3: not measured")
+    else:
+        for name, bound in (("deepspeed-s3", 0.8), ("fsdp2", 1.0)):
+            other = row.get(name)
+            if other:
+                lines.append(
+                    f"- zeroshard-s3 step time {z3['step'] * 1e3:.0f} ms <= {bound} x {name} "
+                    f"({bound * other['step'] * 1e3:.0f} ms): {verdict(z3['step'] <= bound * other['step'])} "
+                    f"({z3['step'] / other['step']:.2f}x); best rounds {z3['best'] * 1e3:.0f} vs "
+                    f"{other['best'] * 1e3:.0f} ms: {verdict(z3['best'] <= bound * other['best'])} "
+                    f"({z3['best'] / other['best']:.2f}x)")
+        if ddp:
+            lines.append(rss_target(3, z3, ddp["rss"], "DDP"))
+
     base = row.get("ddp-gbv")
     if base:
         lines.append("")
         lines.append("Informational, against DDP with gradient_as_bucket_view=True (no separate 4Ψ "
                      f"bucket copy of the gradients; peak {base['rss']:.0f} MiB):")
-        for s in (1, 2):
+        for s in (1, 2, 3):
             z = row.get(f"zeroshard-s{s}")
             if z:
                 lines.append(rss_target(s, z, base["rss"], "DDP-gbv"))
@@ -502,6 +519,16 @@ def summarize(args, impls, runs, failures, n_params, wall_total) -> str:
     for impl, msg in failures.items():
         lines += ["", f"### {impl} failed", "", "```", msg.strip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def resummarize(args) -> None:
+    """Print the table again from a saved latest.json (e.g. after the targets changed)."""
+    saved = json.loads(Path(args.summarize).read_text())
+    impls = [i for i in saved["args"]["impls"].split(",") if i]
+    for key, value in saved["args"].items():
+        if key not in ("summarize",):
+            setattr(args, key, value)
+    print(summarize(args, impls, saved["runs"], saved["failures"], saved["n_params"], 0.0))
 
 
 def driver(args) -> None:
@@ -570,6 +597,8 @@ def parse_args(argv=None):
     p.add_argument("--loss-rtol", type=float, default=5e-3)
     p.add_argument("--zeroshard-optimizer", choices=["instance", "config"], default="instance",
                    help="pass zeroshard a torch AdamW instance, or the DeepSpeed-style optimizer config")
+    p.add_argument("--summarize", metavar="LATEST_JSON",
+                   help="only print the table again from a saved results/latest.json")
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=list(ALL_IMPLS), help=argparse.SUPPRESS)
@@ -582,5 +611,7 @@ if __name__ == "__main__":
     a = parse_args()
     if a.worker:
         worker(a)
+    elif a.summarize:
+        resummarize(a)
     else:
         driver(a)

@@ -105,10 +105,11 @@ def test_demo_end_to_end():
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
     rows = _parse_demo_table(out)
-    assert set(rows) == {"0", "1", "2"}, out
+    assert set(rows) == {"0", "1", "2", "3"}, out
     assert rows["1"]["optim"] < rows["0"]["optim"]
     assert rows["2"]["grads"] < rows["1"]["grads"]
-    assert rows["2"]["total"] < rows["1"]["total"] < rows["0"]["total"]
+    assert rows["3"]["params"] < rows["2"]["params"]
+    assert rows["3"]["total"] < rows["2"]["total"] < rows["1"]["total"] < rows["0"]["total"]
     agree = [line for line in out.splitlines() if line.startswith("losses ")]
     assert len(agree) == 1 and agree[0].startswith("losses agree"), out
     assert "2 ranks" in out.splitlines()[0] or torch.cuda.is_available()

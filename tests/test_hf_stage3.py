@@ -80,8 +80,21 @@ def _case(rank, world, name, threshold):
     return err, units
 
 
+def _init_refusal():
+    """Hugging Face's post_init re-initialises weights outside Module.apply: Init must refuse it
+    with a clear error instead of returning a model whose initial weights silently differ."""
+    try:
+        with zeroshard.Init(config={"train_batch_size": 2, "zero_optimization": {"stage": 3}}):
+            _build("gpt2")
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
 def _all(rank, world):
-    return {(name, t): _case(rank, world, name, t) for name in MODELS for t in (0, 100)}
+    out = {(name, t): _case(rank, world, name, t) for name in MODELS for t in (0, 100)}
+    out["init"] = _init_refusal()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +112,9 @@ def test_hf_model_matches_reference_at_stage3(results, name, threshold):
         # The repeating block class became the units (one per layer).
         layer = "transformer.h." if name == "gpt2" else "model.layers."
         assert f"{layer}0" in units and f"{layer}1" in units, units
+
+
+def test_init_refuses_models_that_reinitialise_after_construction(results):
+    for message in (r["init"] for r in results):
+        assert message is not None and "GPT2LMHeadModel wrote to" in message
+        assert "post_init" in message and "without zeroshard.Init" in message

@@ -103,10 +103,13 @@ def _run_extra_case(rank, world, kind):
     if kind == "init":
         with zeroshard.Init(config=_config()):
             model = make_model()
+            applied = ApplyInit()
         trainable = sum(p.ds_numel for p in model.parameters())
         units = init_units(model)
         extra["init_empty"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
         extra["init_share"] = (sum(u.shard.numel() for u in units), trainable, len(units))
+        extra["init_equal"] = _same_as_normal(model, make_model()) and \
+            _same_as_normal(applied, ApplyInit())
     else:
         model = make_model(dict_io=kind == "dict_io", **options)
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=factory(model),
@@ -133,6 +136,28 @@ def _run_extra_case(rank, world, kind):
         ref = None
     engine.destroy()
     return {"err": _rel_error(model, ref) if ref is not None else 0.0, **extra}
+
+
+class ApplyInit(torch.nn.Module):
+    """Re-initialises its layers with `self.apply` at the end of its constructor (nanoGPT-style)."""
+
+    def __init__(self):
+        torch.manual_seed(5)
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+            torch.nn.init.zeros_(module.bias)
+
+
+def _same_as_normal(partitioned, normal) -> bool:
+    """Gathered values of a model built under Init equal a normal build's, bit for bit."""
+    with zeroshard.GatheredParameters(list(partitioned.parameters())):
+        return all(torch.equal(p, q) for p, q in zip(partitioned.parameters(), normal.parameters()))
 
 
 def _eval_checks(engine, model, ref, rank, world):
@@ -216,6 +241,7 @@ def test_stage3_real_model_features(world_results, case):
             shard, total, units = got["init_share"]
             # Each construction unit pads by fewer than 16 elements per rank.
             assert total / world <= shard <= total / world + 16 * units, (shard, total, units)
+            assert got["init_equal"], "Init gave other initial values than a normal build"
         if case["kind"] == "eval":
             loss, gathered, expected = got["eval_loss"]
             assert loss == pytest.approx(expected, rel=1e-5)

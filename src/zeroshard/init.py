@@ -6,10 +6,13 @@ initialised by the constructor) are laid end to end in one flat buffer, broadcas
 (so every rank starts from rank 0's values, as without Init), and only this rank's 1/N slice is
 kept. Peak memory during construction is therefore about the largest module's own parameters plus
 Psi/N, and the values are exactly those of a normal construction under the same seed.
+`Module.apply` is wrapped too, so a whole-model init pass run from a constructor (Hugging Face's
+`post_init`, nanoGPT's `self.apply(_init_weights)`) works on gathered parameters; such a pass
+gathers what it walks (the whole model, once, for a pass from the root).
 
 `initialize()` later re-lays these construction-time units into stage-3 units (one module subtree
-each), gathering one construction unit at a time. Code that writes parameters after their module
-was built (a custom init pass over the whole model) must do so inside
+each), gathering one construction unit at a time. Other code that writes parameters after their
+module was built, outside `Module.apply`, must do so inside
 `zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed.
 `load_full_state_dict` fills a partitioned model from a full state dict, unit by unit, each rank
 copying only its slices.
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm
+from .comm import Comm, init_distributed
 from .config import load_config
 from .layout import Slot, Unit, padded_size
 
@@ -43,14 +46,14 @@ class Init:
     def __init__(self, config=None, config_dict_or_path=None, enabled: bool = True,
                  remote_device=None, **_ignored):
         source = config if config is not None else config_dict_or_path
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        stage = load_config(source, world_size=world).zero_optimization.stage if source else 0
+        stage = 0
+        if enabled and source is not None:
+            init_distributed()  # as initialize() would: torchrun's environment, or a world of 1
+            stage = load_config(source, world_size=dist.get_world_size()).zero_optimization.stage
         self.enabled = enabled and stage == 3
-        if self.enabled and not dist.is_initialized():
-            raise RuntimeError("zeroshard.Init at stage 3 needs the process group: call "
-                               "zeroshard.init_distributed() first (torchrun sets the environment)")
         self._patched: dict[type, object] = {}
         self._depth: dict[int, int] = {}
+        self._versions: dict[int, int] = {}  # id(param) -> its version when partitioned
 
     def __enter__(self):
         if not self.enabled:
@@ -66,11 +69,20 @@ class Init:
             self._wrap(cls)  # classes defined inside the context are wrapped too
 
         nn.Module.__init_subclass__ = classmethod(init_subclass)
+        self._original_apply = nn.Module.apply
+        self._applying = False
+        init_ctx = self
+
+        def apply(module, fn):
+            return init_ctx._apply_gathered(module, fn)
+
+        nn.Module.apply = apply
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
+        nn.Module.apply = self._original_apply
         if self._had_init_subclass:
             nn.Module.__init_subclass__ = self._original_init_subclass
         else:
@@ -78,6 +90,41 @@ class Init:
         for cls, original in self._patched.items():
             cls.__init__ = original
         self._patched.clear()
+
+    def _apply_gathered(self, module: nn.Module, fn):
+        """`Module.apply` inside Init: an init pass over built modules (Hugging Face's post_init,
+        nanoGPT's `self.apply(_init_weights)`) sees whole parameters, and what it writes is kept.
+
+        The partitioned parameters under `module` are gathered for the pass (for a pass over the
+        whole model that is the whole model, once), then each rank keeps its slice again.
+        """
+        if self._applying:
+            return self._original_apply(module, fn)
+        units = gather_init_units(p for p in module.parameters() if hasattr(p, INIT_ATTR))
+        self._applying = True
+        try:
+            self._original_apply(module, fn)
+        finally:
+            self._applying = False
+            for unit in units:
+                unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(self.comm.rank))])
+                unit.release()
+                for slot in unit.slots:  # these writes were kept
+                    self._versions[id(slot.param)] = slot.param._version
+        return module
+
+    def _check_no_lost_writes(self, model: nn.Module) -> None:
+        """Refuse a model whose constructor wrote to parameters after partitioning them."""
+        lost = [name for name, p in model.named_parameters()
+                if id(p) in self._versions and p._version != self._versions[id(p)]]
+        if lost:
+            raise RuntimeError(
+                f"zeroshard.Init: building {type(model).__name__} wrote to {len(lost)} parameters "
+                f"after they were partitioned (e.g. {', '.join(lost[:3])}), so the written values "
+                "would be lost. This is a whole-model init pass that does not go through "
+                "Module.apply (Hugging Face's post_init does this). Build the model without "
+                "zeroshard.Init - initialize() partitions it afterwards - or load its weights with "
+                "zeroshard.load_full_state_dict.")
 
     def _wrap(self, cls) -> None:
         if "__init__" not in cls.__dict__ or cls in self._patched:
@@ -96,6 +143,8 @@ class Init:
             if self._depth[key] == 0:
                 del self._depth[key]
                 self._partition(module)
+                if not self._depth:  # an outermost model is complete
+                    self._check_no_lost_writes(module)
 
         cls.__init__ = init
 
@@ -122,8 +171,7 @@ class Init:
             unit.partition(self.comm.rank)
             for slot in slots:
                 setattr(slot.param, INIT_ATTR, (unit, self.comm))
-                slot.param.ds_shape = slot.shape
-                slot.param.ds_numel = slot.numel
+                self._versions[id(slot.param)] = slot.param._version
 
 
 def init_units(model: nn.Module) -> list[Unit]:

@@ -38,8 +38,6 @@ class Stage3Layout:
     needs: dict[int, list[int]] = field(default_factory=dict)
     #: The hooked modules, outermost (the root) first.
     modules: list[nn.Module] = field(default_factory=list)
-    #: id(module) -> its dotted name ("" for the root).
-    names: dict[int, str] = field(default_factory=dict)
     #: Indices of units that stay whole on every rank (small parameters).
     persistent: set[int] = field(default_factory=set)
 
@@ -146,7 +144,6 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
                         needed.update(unit_ids_of_owner[position])
         layout.needs[id(module)] = sorted(needed)
         layout.modules.append(module)
-        layout.names[id(module)] = name or "<root>"
     return layout
 
 

@@ -18,17 +18,14 @@ units are always gathered on demand.
 
 from __future__ import annotations
 
-import math
+import itertools
 
 
 class Schedule:
     """Trace of unit demands for one micro-step, recorded once and then followed."""
 
-    def __init__(self, numel: dict[int, int], prefetch_numel: int, max_live: int,
-                 reuse_distance: int):
-        self.numel = numel
-        self.prefetch_numel = prefetch_numel
-        self.max_live = max_live
+    def __init__(self, numel: dict[int, int], reuse_distance: int):
+        self.numel = numel  # unit index -> padded elements
         self.reuse_distance = reuse_distance
         self.trace: list[int] = []
         self.recorded: list[int] | None = None
@@ -69,26 +66,17 @@ class Schedule:
         """Unit indices expected next, in order (nothing while recording)."""
         if self.recorded is None:
             return iter(())
-        return iter(self.recorded[self.cursor:])
+        return itertools.islice(self.recorded, self.cursor, None)
 
     def reuse_soon(self, index: int) -> bool:
         """Whether unit `index` is needed again within `reuse_distance` elements of other units."""
         if self.recorded is None or self.reuse_distance <= 0:
             return False
         between = 0
-        for upcoming in self.recorded[self.cursor:]:
+        for upcoming in itertools.islice(self.recorded, self.cursor, None):
             if upcoming == index:
                 return True
             between += self.numel[upcoming]
             if between >= self.reuse_distance:
                 return False
         return False
-
-    def distance_to(self, index: int) -> float:
-        """Elements of other units demanded before `index` is needed again (inf if never)."""
-        between = 0
-        for upcoming in self.recorded[self.cursor:] if self.recorded else ():
-            if upcoming == index:
-                return between
-            between += self.numel[upcoming]
-        return math.inf

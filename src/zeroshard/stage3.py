@@ -1,9 +1,9 @@
 """ZeRO stage 3: parameters, gradients and optimizer state all sharded; units gathered on demand.
 
-Units are module subtrees (`partition.py`): each keeps only this rank's 1/N shard between uses;
-its full flat buffer keeps its shape but has its storage emptied, so the parameters (views of it)
-keep their shapes and names, and views autograd saved in forward see the data again once the
-storage is refilled. Small parameters (below `stage3_param_persistence_threshold` elements) stay
+Units are module subtrees (`partition.py`): each keeps only this rank's 1/N shard between uses.
+Its full flat buffer object stays but its storage is emptied (the bytes go back to a pool), so
+views of it that autograd saved in forward see the data again once it is refilled; meanwhile the
+parameters hold empty tensors (real sizes in `ds_shape` / `ds_numel`; names are unchanged). Small parameters (below `stage3_param_persistence_threshold` elements) stay
 whole on every rank and follow stage 2.
 
 Communication plan, per micro-step (before each collective the ranks compare what they are about
@@ -67,12 +67,13 @@ class Stage3(Stage2):
         self.options = options or Stage3Options()
         self.by_index = {u.index: u for u in units}
         self.sharded = {u.index for u in units if u.index not in layout.persistent}
-        self.gathered_pool = StoragePool() if hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
+        # On CPU, freed 28 MB buffers stay in glibc's heap; CUDA's caching allocator reuses them.
+        on_cpu = all(u.flat.device.type == "cpu" for u in units)
+        self.gathered_pool = StoragePool() if on_cpu and \
+            hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
         for index in sorted(self.sharded):
             self.by_index[index].partition(comm.rank)
         self.schedule = Schedule({u.index: u.padded_numel for u in units},
-                                 self.options.prefetch_bucket_size,
-                                 self.options.max_live_parameters,
                                  self.options.max_reuse_distance)
         self.guard = OrderGuard(comm, self.options.desync_timeout,
                                 lambda i: self.by_index[i].describe())
@@ -81,7 +82,6 @@ class Stage3(Stage2):
         self.pinned: dict[int, int] = {}  # unit index -> GatheredParameters contexts holding it
         self.live_numel = 0
         self.peak_live_numel = 0
-        self.gathers = 0
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -108,7 +108,6 @@ class Stage3(Stage2):
         flat = unit.allocate(self.gathered_pool)
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
-        self.gathers += 1
         self.pending[unit.index] = self.comm.all_gather(flat, unit.shard, async_op=True)
 
     def unshard(self, indices) -> None:

@@ -173,8 +173,10 @@ def _eval_checks(engine, model, ref, rank, world):
             whole = all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
         expected = lm_loss(reference(tokens), targets).item()
     engine.train()
+    weight = model.block2[1].weight  # released: an empty tensor, real shape in ds_shape
+    released = weight.numel() == 0 and tuple(weight.ds_shape) == (26, 13) and weight.ds_numel == 338
     return {"eval_loss": (loss, gathered_loss, expected), "eval_freed": _sharded_between_steps(engine),
-            "gathered_whole": whole}
+            "gathered_whole": whole, "released": released}
 
 
 def _gathered_checks(engine, model, rank):
@@ -246,7 +248,7 @@ def test_stage3_real_model_features(world_results, case):
             loss, gathered, expected = got["eval_loss"]
             assert loss == pytest.approx(expected, rel=1e-5)
             assert gathered == pytest.approx(expected, rel=1e-5)
-            assert got["eval_freed"] and got["gathered_whole"]
+            assert got["eval_freed"] and got["gathered_whole"] and got["released"]
         if case["kind"] == "gathered":
             assert got["modifier_kept"] and got["unmodified_discarded"] and got["restored"]
             assert got["consolidated"], "consolidated_state_dict differs from the gathered model"

@@ -1,0 +1,79 @@
+"""Stage-3 unit selection and the gathered-memory pool (single process, no collectives)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard.layout import StoragePool
+from zeroshard.partition import build_stage3_layout, unit_modules
+from tests.models import make_model
+
+
+def _all_params(model):
+    return {id(p): 0 for p in model.parameters()}
+
+
+def test_repeating_block_class_becomes_the_units():
+    # TinyLM: two Sequential blocks; the Linear/LayerNorm classes repeat only inside them.
+    assert [n for n, _ in unit_modules(make_model())] == ["block1", "block2"]
+
+
+def test_a_flat_stack_of_layers_makes_each_layer_a_unit():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    assert [n for n, _ in unit_modules(model)] == ["0", "2", "3"]
+
+
+def test_containers_never_become_units():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+            self.dec = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    assert [n for n, _ in unit_modules(Net())] == ["enc.0", "enc.1", "dec.0", "dec.1"]
+
+
+def test_named_unit_classes_and_a_helpful_error():
+    names = [n for n, _ in unit_modules(make_model(), ["Linear", "Embedding"])]
+    assert names == ["embed", "block1.1", "block1.3", "block2.1", "block2.3", "head"]
+    with pytest.raises(ValueError, match=r"zeroshard_unit_classes: no module of class \['Block'\]"
+                                         r" in TinyLM; classes present: .*Sequential"):
+        unit_modules(make_model(), ["Block"])
+
+
+@pytest.mark.parametrize("threshold", [0, 40])
+def test_layout_covers_every_parameter_once_and_ties_span_units(threshold):
+    model = make_model()
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layout = build_stage3_layout(model, _all_params(model), world_size=3, bucket_numel=100,
+                                 persistence_threshold=threshold,
+                                 class_names=["Linear", "Embedding", "LayerNorm"])
+    names = sorted(s.name for u in layout.units for s in u.slots)
+    assert names == sorted(values)  # the tied embed/head weight is laid out once
+    for unit in layout.units:
+        for slot, view in unit.views(unit.flat):
+            assert torch.equal(view, values[slot.name])  # values carried into the flat buffer
+        small = all(s.numel < threshold for s in unit.slots)
+        assert (unit.index in layout.persistent) == (threshold > 0 and small)
+    # The head owns no unit of its own: it needs the embedding's unit (a weight tied across units).
+    embed_unit = next(u.index for u in layout.units if u.slots[0].name == "embed.weight")
+    assert embed_unit in layout.needs[id(model.head)]
+
+
+def test_pool_moves_bytes_but_keeps_the_storage_that_views_hold():
+    pool = StoragePool()
+    flat = torch.zeros(64)
+    saved_view = flat[8:16]  # what autograd would have saved in forward
+    storage = flat.untyped_storage()
+    storage.resize_(0)
+    pool.lend(storage, 64 * 4)
+    flat.fill_(3.0)
+    assert torch.equal(saved_view, torch.full((8,), 3.0))
+    pool.take_back(storage)
+    assert storage.nbytes() == 0 and len(pool.tensors()) == 1
+    other = torch.zeros(64)
+    other.untyped_storage().resize_(0)
+    pool.lend(other.untyped_storage(), 64 * 4)  # the same bytes serve another unit of that size
+    assert len(pool.tensors()) == 0 and other.untyped_storage().nbytes() == 256

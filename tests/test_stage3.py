@@ -104,12 +104,16 @@ def _run_extra_case(rank, world, kind):
         with zeroshard.Init(config=_config()):
             model = make_model()
             applied = ApplyInit()
+            torch.manual_seed(7)  # MultiheadAttention zeroes out_proj.bias after building it
+            encoder = torch.nn.TransformerEncoderLayer(16, 2, 32)
         trainable = sum(p.ds_numel for p in model.parameters())
         units = init_units(model)
         extra["init_empty"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
         extra["init_share"] = (sum(u.shard.numel() for u in units), trainable, len(units))
+        torch.manual_seed(7)
+        normal_encoder = torch.nn.TransformerEncoderLayer(16, 2, 32)
         extra["init_equal"] = _same_as_normal(model, make_model()) and \
-            _same_as_normal(applied, ApplyInit())
+            _same_as_normal(applied, ApplyInit()) and _same_as_normal(encoder, normal_encoder)
     else:
         model = make_model(dict_io=kind == "dict_io", **options)
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=factory(model),

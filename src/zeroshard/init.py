@@ -1,11 +1,13 @@
 """`zeroshard.Init`: build a model already partitioned, so that no rank ever holds all of it.
 
 Inside `with zeroshard.Init(config=...)` (a stage-3 config) every `nn.Module` constructor is
-wrapped: when a module's own `__init__` returns, its direct trainable parameters (already
-initialised by the constructor) are laid end to end in one flat buffer, broadcast from rank 0
-(so every rank starts from rank 0's values, as without Init), and only this rank's 1/N slice is
-kept. Peak memory during construction is therefore about the largest module's own parameters plus
-Psi/N, and the values are exactly those of a normal construction under the same seed.
+wrapped. A finished module stays whole until the constructor that built it starts building its
+next child or returns (parents often write to the child they just built: MultiheadAttention
+zeroes its out_proj bias); then each module's direct trainable parameters are laid end to end in
+one flat buffer, broadcast from rank 0 (so every rank starts from rank 0's values, as without
+Init), and only this rank's 1/N slice is kept. Peak memory during construction is therefore about
+two sibling modules plus Psi/N, and the values are exactly those of a normal construction under
+the same seed.
 `Module.apply` is wrapped too, so a whole-model init pass run from a constructor (Hugging Face's
 `post_init`, nanoGPT's `self.apply(_init_weights)`) works on gathered parameters; such a pass
 gathers what it walks (the whole model, once, for a pass from the root).
@@ -53,6 +55,7 @@ class Init:
         self.enabled = enabled and stage == 3
         self._patched: dict[type, object] = {}
         self._depth: dict[int, int] = {}
+        self._building: list[list[nn.Module]] = []  # per constructor running: finished children
         self._versions: dict[int, int] = {}  # id(param) -> its version when partitioned
 
     def __enter__(self):
@@ -135,44 +138,62 @@ class Init:
         @functools.wraps(original)
         def init(module, *args, **kwargs):
             key = id(module)
+            outermost = key not in self._depth  # not a super().__init__ call of the same object
+            if outermost:
+                if self._building:
+                    # The parent starts another child: its earlier children are finished.
+                    self._flush(self._building[-1])
+                self._building.append([])
             self._depth[key] = self._depth.get(key, 0) + 1
             try:
                 original(module, *args, **kwargs)
             finally:
                 self._depth[key] -= 1
-            if self._depth[key] == 0:
-                del self._depth[key]
-                self._partition(module)
-                if not self._depth:  # an outermost model is complete
+                if self._depth[key] == 0:
+                    del self._depth[key]
+                    pending = self._building.pop()
+            if outermost:
+                self._flush(pending)
+                if self._building:
+                    # Kept whole until the parent moves on: a parent's constructor often writes
+                    # to the child it just built (MultiheadAttention zeroes out_proj.bias).
+                    self._building[-1].append(module)
+                else:  # an outermost model is complete
+                    self._flush([module])
                     self._check_no_lost_writes(module)
 
         cls.__init__ = init
 
-    def _partition(self, module: nn.Module) -> None:
-        params = [(n, p) for n, p in module.named_parameters(recurse=False)
-                  if p.requires_grad and not hasattr(p, INIT_ATTR) and p.numel() > 0]
-        by_dtype: dict[torch.dtype, list] = {}
-        for name, param in params:
-            by_dtype.setdefault(param.dtype, []).append((name, param))
-        for dtype, members in by_dtype.items():
-            slots, offset = [], 0
-            for name, param in members:
-                slots.append(Slot(param, name, offset, param.numel(), param.shape))
-                offset += param.numel()
-            unit = Unit(-1, -1, dtype, slots, self.comm.world_size, numel=offset,
-                        padded_numel=padded_size(offset, self.comm.world_size))
-            unit.owner = type(module).__name__
-            flat = torch.zeros(unit.padded_numel, dtype=dtype, device=members[0][1].device)
-            for slot, view in unit.views(flat):
-                view.copy_(slot.param.detach())
-                slot.param.data = view
-            unit.flat = flat
-            self.comm.broadcast(flat, src=0)
-            unit.partition(self.comm.rank)
-            for slot in slots:
-                setattr(slot.param, INIT_ATTR, (unit, self.comm))
-                self._versions[id(slot.param)] = slot.param._version
+    def _flush(self, modules: list[nn.Module]) -> None:
+        """Partition the still-whole parameters of these finished modules' subtrees."""
+        for module in modules:
+            for sub in module.modules():
+                self._partition(sub)
+        modules.clear()
 
+    def _partition(self, module: nn.Module) -> None:
+        """Keep only this rank's slice of each of `module`'s own trainable parameters.
+
+        One construction unit per parameter: rank 0's values are broadcast into the parameter's
+        own storage, the slice is copied out, and the storage is dropped - no full-size copy.
+        """
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or hasattr(param, INIT_ATTR) or param.numel() == 0:
+                continue
+            numel = param.numel()
+            unit = Unit(-1, -1, param.dtype, [Slot(param, name, 0, numel, param.shape)],
+                        self.comm.world_size, numel=numel,
+                        padded_numel=padded_size(numel, self.comm.world_size))
+            unit.owner = type(module).__name__
+            data = param.data.reshape(-1)
+            self.comm.broadcast(data, src=0)
+            lo, hi = unit.shard_bounds(self.comm.rank)
+            unit.shard = torch.zeros(hi - lo, dtype=param.dtype, device=param.device)
+            kept = max(0, min(hi, numel) - lo)
+            unit.shard[:kept].copy_(data[lo:lo + kept])
+            unit.release()
+            setattr(param, INIT_ATTR, (unit, self.comm))
+            self._versions[id(param)] = param._version
 
 def init_units(model: nn.Module) -> list[Unit]:
     """The construction-time units still holding parameters of `model` (each once)."""

@@ -115,10 +115,12 @@ class Unit:
     @property
     def is_gathered(self) -> bool:
         """Whether the full buffer currently has storage (always true for unsharded units)."""
-        return self.flat.untyped_storage().nbytes() > 0
+        return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
 
     def allocate(self, pool: "StoragePool | None" = None) -> torch.Tensor:
         """Give the full buffer storage (contents undefined), point the parameters at it, return it."""
+        if self.flat is None:  # partitioned without ever having one (zeroshard.Init)
+            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.shard.device)
         storage = self.flat.untyped_storage()
         if storage.nbytes() == 0:
             nbytes = self.padded_numel * self.flat.element_size()
@@ -137,13 +139,12 @@ class Unit:
         again once the unit is gathered for backward. The parameters are re-pointed at an empty
         tensor (shape in `ds_shape`), so touching one while released is an ordinary error.
         """
-        storage = self.flat.untyped_storage()
-        if storage.nbytes() > 0:
+        if self.flat is not None and self.flat.untyped_storage().nbytes() > 0:
             if pool is not None:
-                pool.take_back(storage)
+                pool.take_back(self.flat.untyped_storage())
             else:
-                storage.resize_(0)
-        empty = torch.empty(0, dtype=self.flat.dtype, device=self.flat.device)
+                self.flat.untyped_storage().resize_(0)
+        empty = torch.empty(0, dtype=self.dtype, device=self.shard.device)
         for slot in self.slots:
             slot.param.data = empty
             slot.param.ds_shape = slot.shape

@@ -76,11 +76,7 @@ class GatheredParameters:
                              f"of this world of {world}")
         with torch.no_grad():
             for param in self.params if world > 1 else ():
-                owner = getattr(param, OWNER_ATTR, None) or getattr(param, INIT_ATTR, None)
-                # Through the engine's Comm when there is one, so its comm ledger counts it.
-                comm = owner[0].comm if owner is not None and hasattr(owner[0], "comm") else \
-                    owner[1] if owner is not None else Comm()
-                comm.broadcast(param.data, src=self.modifier_rank)
+                _comm_of(param).broadcast(param.data, src=self.modifier_rank)
             for unit in self._init_units:
                 unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(dist.get_rank()
                                                                     if world > 1 else 0))])
@@ -94,6 +90,15 @@ def _unit_of(param: nn.Parameter):
         return owner[1]
     owner = getattr(param, INIT_ATTR, None)
     return owner[0] if owner is not None else None
+
+
+def _comm_of(param: nn.Parameter) -> Comm:
+    """The engine's Comm for a managed parameter (so its comm ledger counts), else a plain one."""
+    owner = getattr(param, OWNER_ATTR, None)
+    if owner is not None:
+        return owner[0].comm
+    owner = getattr(param, INIT_ATTR, None)
+    return owner[1] if owner is not None else Comm()
 
 
 def _refresh_masters(params: list[nn.Parameter]) -> None:

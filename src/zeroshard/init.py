@@ -95,8 +95,8 @@ class Init:
         self._patched.clear()
 
     def _apply_gathered(self, module: nn.Module, fn):
-        """`Module.apply` inside Init: an init pass over built modules (Hugging Face's post_init,
-        nanoGPT's `self.apply(_init_weights)`) sees whole parameters, and what it writes is kept.
+        """`Module.apply` inside Init: an init pass over built modules (nanoGPT's
+        `self.apply(_init_weights)`) sees whole parameters, and what it writes is kept.
 
         The partitioned parameters under `module` are gathered for the pass (for a pass over the
         whole model that is the whole model, once), then each rank keeps its slice again.
@@ -124,10 +124,10 @@ class Init:
             raise RuntimeError(
                 f"zeroshard.Init: building {type(model).__name__} wrote to {len(lost)} parameters "
                 f"after they were partitioned (e.g. {', '.join(lost[:3])}), so the written values "
-                "would be lost. This is a whole-model init pass that does not go through "
-                "Module.apply (Hugging Face's post_init does this). Build the model without "
-                "zeroshard.Init - initialize() partitions it afterwards - or load its weights with "
-                "zeroshard.load_full_state_dict.")
+                "would be lost. Typically a whole-model init pass that does not go through "
+                "Module.apply (Hugging Face's post_init walks the model itself). Build the model "
+                "without zeroshard.Init - initialize() partitions it afterwards - or wrap those "
+                "writes in zeroshard.GatheredParameters(params, modifier_rank=0).")
 
     def _wrap(self, cls) -> None:
         if "__init__" not in cls.__dict__ or cls in self._patched:

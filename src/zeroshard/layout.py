@@ -232,12 +232,12 @@ def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int
         unit = Unit(index, group, unit_dtype, slots, world_size)
         unit.numel = sum(s.numel for s in slots)
         unit.padded_numel = padded_size(unit.numel, world_size)
-        _flatten(unit)
+        flatten(unit)
         units.append(unit)
     return units
 
 
-def _flatten(unit: Unit) -> None:
+def flatten(unit: Unit) -> None:
     """Allocate the unit's flat buffer, copy parameters in, and make each `param.data` a view."""
     device = unit.slots[0].param.device
     flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=device)

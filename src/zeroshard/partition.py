@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .init import take_full
-from .layout import Slot, Unit, build_units, padded_size
+from .layout import Slot, Unit, build_units, flatten, padded_size
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -152,13 +152,7 @@ def _make_unit(index: int, group: int, dtype: torch.dtype, members, world_size: 
     for name, param in members:
         slots.append(Slot(param, name, offset, param.numel(), param.shape))
         offset += param.numel()
-    unit = Unit(index, group, dtype, slots, world_size)
-    unit.numel = offset
-    unit.padded_numel = padded_size(offset, world_size)
-    device = slots[0].param.device
-    flat = torch.zeros(unit.padded_numel, dtype=dtype, device=device)
-    for slot, view in unit.views(flat):
-        view.copy_(slot.param.detach())
-        slot.param.data = view
-    unit.flat = flat
+    unit = Unit(index, group, dtype, slots, world_size, numel=offset,
+                padded_numel=padded_size(offset, world_size))
+    flatten(unit)
     return unit

@@ -180,13 +180,12 @@ class Stage3(Stage2):
             self.active[index] = max(0, self.active.get(index, 0) - 1)
         if _in_backward():
             return  # activation-checkpoint recompute: the unit's backward follows at once
-        wants_backward = torch.is_grad_enabled() and any(
-            torch.is_tensor(t) and t.requires_grad for t in tree_leaves(output))
-        if wants_backward:
-            fired = [False]
-            for leaf in tree_leaves(output):
-                if torch.is_tensor(leaf) and leaf.requires_grad:
-                    leaf.register_hook(lambda grad, n=needs, f=fired: self._pre_backward(n, f))
+        grad_outputs = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad] \
+            if torch.is_grad_enabled() else []
+        wants_backward = bool(grad_outputs)
+        fired = [False]  # one regather per forward call, whichever output's gradient comes first
+        for leaf in grad_outputs:
+            leaf.register_hook(lambda grad, n=needs, f=fired: self._pre_backward(n, f))
         for index in needs:
             if self.active.get(index):
                 continue  # an enclosing module (e.g. one sharing a tied weight) still runs

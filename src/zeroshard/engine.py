@@ -182,6 +182,25 @@ class Engine(nn.Module):
         """Cumulative bytes this rank moved per collective kind (ring model), plus "total"."""
         return self.comm.report()
 
+    # -- checkpoints (checkpoint.py) ---------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Write a sharded checkpoint (every rank calls it); any world size and stage can load it."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                               exclude_frozen=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Load a checkpoint written at any world size and stage: `(path, client_state)`, or
+        `(None, None)` when `load_dir` has no `latest` and no tag was given."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
     def gathered_model(self):
         """Context with every parameter whole on every rank (stage 3), e.g. around a generation loop.
 

@@ -1,0 +1,454 @@
+"""Sharded checkpoints that any world size and any stage can load.
+
+Layout of `save_dir/<tag>/` (written into `save_dir/.<tag>.partial/`, renamed into place when
+every rank is done; `save_dir/latest` is replaced last, atomically):
+
+- DCP files (`.metadata`, `__<rank>_0.distcp`): per parameter, the fp32 values (`model.<name>`)
+  and each optimizer state tensor (`optim.<key>.<name>`), as 1-D fragments of the flattened
+  parameter. Rank r writes the part of each parameter that falls in its shard `[r*S, (r+1)*S)` of
+  the parameter's unit, at every stage. DCP records each fragment's offset, so a loader with
+  other units, another world size or another stage reads exactly the ranges it owns. Frozen
+  parameters and buffers are saved whole (`frozen.<name>`, `buffer.<name>`).
+- `zeroshard.json` (rank 0): format version, world size and stage that saved, counters,
+  optimizer hyper-parameters and scalar state (e.g. Adam's step) per param group, loss scaler,
+  LR scheduler, and the parameter names/shapes.
+- `rng-rank<r>.pt` per rank, `client_state.pt` (rank 0): plain tensors, lists and numbers, read
+  back with `torch.load(weights_only=True)`; a `client_state` that cannot be read back that way is
+  refused when saving.
+
+Loading never unpickles arbitrary objects: DCP's `.metadata` goes through an unpickler that only
+admits DCP's own metadata classes. Before anything is read, every file the metadata names is
+checked to exist and be long enough; a missing or truncated file is an error naming it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                              TensorProperties)
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+FORMAT = 1
+META = "zeroshard.json"
+CLIENT = "client_state.pt"
+LATEST = "latest"
+
+# What DCP's .metadata pickle may reference (torch 2.4-2.13); anything else is refused.
+_ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_REFUSED = {"BytesStorageMetadata"}  # non-tensor payloads would be unpickled on load
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this model."""
+
+
+# -- safe reading ------------------------------------------------------------------------------
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _ALLOWED_GLOBALS or dtype or \
+                (module in _ALLOWED_MODULES and name not in _REFUSED):
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to load {module}.{name} from checkpoint metadata: only "
+                              "DCP's own metadata classes are allowed (the file may be tampered)")
+
+
+class SafeReader(FileSystemReader):
+    """DCP reader whose metadata is unpickled with an allow-list and whose files are checked."""
+
+    def read_metadata(self, *args, **kwargs):
+        """Read `.metadata` admitting only DCP metadata classes; verify every data file."""
+        path = os.path.join(self.path, ".metadata")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file missing: {path}")
+        with open(path, "rb") as fh:
+            try:
+                metadata = _MetadataUnpickler(fh).load()
+            except CheckpointError:
+                raise
+            except Exception as err:  # truncated or not a pickle at all
+                raise CheckpointError(f"checkpoint file {path} is unreadable ({err})") from None
+        if type(metadata).__name__ != "Metadata":
+            raise CheckpointError(f"{path} does not hold DCP metadata")
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            rel = str(info.relative_path)
+            needed[rel] = max(needed.get(rel, 0), info.offset + info.length)
+        for rel, size in sorted(needed.items()):
+            file = os.path.join(self.path, rel)
+            if not os.path.isfile(file):
+                raise CheckpointError(f"checkpoint file missing: {file}")
+            if os.path.getsize(file) < size:
+                raise CheckpointError(f"checkpoint file truncated: {file} has "
+                                      f"{os.path.getsize(file)} bytes, the metadata needs {size}")
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _safe_torch_load(path: str):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint file {path} is unreadable or unsafe ({err})") from None
+
+
+# -- fragments ---------------------------------------------------------------------------------
+
+def _fragments(unit, slot, world: int) -> list[tuple[int, int, int]]:
+    """(rank, start, end) of `slot`'s flattened parameter that each rank's shard holds."""
+    out = []
+    for rank in range(world):
+        lo, hi = unit.shard_bounds(rank)
+        start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+        if start < end:
+            out.append((rank, start - slot.offset, end - slot.offset))
+    return out
+
+
+def _sharded(unit, slot, world: int, rank: int, shard: torch.Tensor, device) -> ShardedTensor:
+    """The parameter `slot` as a 1-D ShardedTensor whose local piece views `shard` (fp32)."""
+    metas, local = [], []
+    lo = unit.shard_bounds(rank)[0]
+    for owner, start, end in _fragments(unit, slot, world):
+        meta = ShardMetadata([start], [end - start], f"rank:{owner}/{device}")
+        metas.append(meta)
+        if owner == rank:
+            begin = slot.offset + start - lo
+            local.append(Shard(shard[begin:begin + end - start], meta))
+    spec = ShardedTensorMetadata(metas, torch.Size([slot.numel]),
+                                 TensorProperties(dtype=shard.dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, spec)
+
+
+def _rank_shard(opt, unit, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard-sized slice of an owned (master-shaped) tensor."""
+    if opt.policy.shards_optimizer:
+        return tensor
+    lo, hi = unit.shard_bounds(opt.comm.rank)
+    return tensor[lo:hi]
+
+
+# -- save --------------------------------------------------------------------------------------
+
+def _check_client_state(client_state) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            "client_state can only hold tensors, numbers, strings, lists, tuples and dicts "
+            "(it is read back with torch.load(weights_only=True), so a checkpoint cannot run "
+            f"code); this one cannot be stored: {str(err).splitlines()[0]}") from None
+    return buffer.getvalue()
+
+
+def _jsonable(value):
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def _optimizer_meta(opt) -> list[dict]:
+    """Hyper-parameters and scalar state per param group; tensor state keys."""
+    groups = []
+    for group in opt.optimizer.param_groups:
+        hyper = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            try:
+                hyper[key] = _jsonable(value)
+            except TypeError:
+                pass  # e.g. a callable: kept from the live optimizer
+        scalars, tensor_keys, order = {}, [], []
+        for master in group["params"]:
+            for key, value in opt.optimizer.state.get(master, {}).items():
+                if key not in order:
+                    order.append(key)
+                if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
+                    if key not in tensor_keys:
+                        tensor_keys.append(key)
+                else:
+                    scalars[key] = {"value": _jsonable(value),
+                                    "dtype": str(value.dtype) if torch.is_tensor(value) else None}
+        groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
+                       "order": order})
+    return groups
+
+
+def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=None,
+                    save_latest: bool = True, exclude_frozen: bool = False) -> str:
+    """Write this rank's part of a checkpoint (every rank calls it); returns the tag's path."""
+    opt, comm = engine.optimizer, engine.comm
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    if not tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
+    client_bytes = _check_client_state(client_state if client_state is not None else {})
+    final = os.path.join(save_dir, tag)
+    partial = os.path.join(save_dir, f".{tag}.partial")
+    if comm.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(partial)
+    comm.barrier()
+    state: dict[str, object] = {}
+    world, rank = comm.world_size, comm.rank
+    device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
+    groups = _optimizer_meta(opt)
+    params = {}
+    for unit, master in zip(opt.units, opt.masters):
+        shard = _rank_shard(opt, unit, master.detach())
+        tensor_state = {k: _rank_shard(opt, unit, v) for k, v in opt.optimizer.state.get(master, {}).items()
+                        if k in groups[unit.group_index]["tensor_keys"]}
+        for slot in unit.slots:
+            state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard, device)
+            for key, value in tensor_state.items():
+                state[f"optim.{key}.{slot.name}"] = _sharded(unit, slot, world, rank, value, device)
+            params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
+    in_units = {id(s.param) for u in opt.units for s in u.slots}
+    for name, param in engine.module.named_parameters():
+        if id(param) not in in_units and not exclude_frozen:
+            state[f"frozen.{name}"] = param.detach()
+    for name, buf in engine.module.named_buffers():
+        state[f"buffer.{name}"] = buf.detach()
+    dcp.save(state, storage_writer=FileSystemWriter(partial))
+    torch.save(_rng_state(), os.path.join(partial, f"rng-rank{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(partial, CLIENT), "wb") as fh:
+            fh.write(client_bytes)
+        meta = {
+            "format": FORMAT, "tag": tag, "world_size": world,
+            "stage": engine.zero_optimization_stage(),
+            "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+                         "optimizer_steps": opt.steps},
+            "optimizer": {"type": type(opt.optimizer).__name__, "groups": groups},
+            "scaler": engine.scaler.state_dict(),
+            "lr_scheduler": _scheduler_state(engine.lr_scheduler),
+            "params": params,
+        }
+        with open(os.path.join(partial, META), "w") as fh:
+            json.dump(meta, fh, indent=1)
+    comm.barrier()  # every rank's files are in place
+    if rank == 0:
+        old = os.path.join(save_dir, f".{tag}.old")
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+        if save_latest:
+            tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+            with open(tmp, "w") as fh:
+                fh.write(tag)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, os.path.join(save_dir, LATEST))
+    comm.barrier()
+    return final
+
+
+def _scheduler_state(scheduler):
+    if scheduler is None or not hasattr(scheduler, "state_dict"):
+        return None
+    try:
+        return _jsonable(scheduler.state_dict())
+    except TypeError as err:
+        warnings.warn(f"zeroshard: LR scheduler state holds a {err} and is not saved; the "
+                      "scheduler restarts from its initial state on load", stacklevel=3)
+        return None
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": _jsonable(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+# -- load --------------------------------------------------------------------------------------
+
+def resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    """The tag to load: `tag`, else the one `latest` names; None when there is nothing."""
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as fh:
+        return fh.read().strip()
+
+
+def load_checkpoint(engine, load_dir: str, tag: str | None = None,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False):
+    """Load a checkpoint saved at any world size and stage; returns `(path, client_state)`."""
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        return None, None
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (tag {tag!r} in {load_dir})")
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"checkpoint file missing: {meta_path}")
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint file {meta_path} is unreadable ({err})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT}")
+    opt, comm = engine.optimizer, engine.comm
+    _check_params(engine, meta, meta_path)
+    with_optim = load_optimizer_states and not load_module_only
+    groups = meta["optimizer"]["groups"]
+    world, rank = comm.world_size, comm.rank
+    device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
+    state, loaded = {}, []
+    for unit in opt.units:
+        shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.flat.device
+                            if unit.flat is not None else engine.device)
+        tensors = {"model": shard}
+        if with_optim:
+            for key in groups[unit.group_index]["tensor_keys"]:
+                tensors[key] = torch.zeros_like(shard)
+        for slot in unit.slots:
+            for key, target in tensors.items():
+                name = f"model.{slot.name}" if key == "model" else f"optim.{key}.{slot.name}"
+                state[name] = _sharded(unit, slot, world, rank, target, device)
+        loaded.append((unit, tensors))
+    reader = SafeReader(path)
+    saved_keys = set(reader.read_metadata().state_dict_metadata)  # checks every file first
+    absent = sorted(k for k in state if k not in saved_keys)
+    if absent:
+        raise CheckpointError(f"{path} has no {absent[0]} ({len(absent)} entries missing; "
+                              "load_optimizer_states=False loads the weights alone)")
+    in_units = {id(s.param) for u in opt.units for s in u.slots}
+    rest = {f"frozen.{n}": p.detach() for n, p in engine.module.named_parameters()
+            if id(p) not in in_units}
+    rest.update({f"buffer.{n}": b.detach() for n, b in engine.module.named_buffers()})
+    # Frozen parameters saved with exclude_frozen_parameters keep their current values.
+    state.update({k: v for k, v in rest.items() if k in saved_keys})
+    try:
+        dcp.load(state, storage_reader=reader)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"could not load {path}: {str(err).splitlines()[0][:500]}") from None
+    with torch.no_grad():
+        if hasattr(opt.policy, "reshard_all"):
+            opt.policy.reshard_all()  # a gathered stage-3 unit would be stale
+        for unit, tensors in loaded:
+            _install(opt, unit, tensors, groups[unit.group_index] if with_optim else None)
+        opt.policy.gather_params()
+    if not load_module_only:
+        _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim)
+    client_state = _safe_torch_load(os.path.join(path, CLIENT))
+    comm.barrier()
+    return path, client_state
+
+
+def _check_params(engine, meta, meta_path) -> None:
+    saved = meta["params"]
+    live = {s.name: list(s.shape) for u in engine.optimizer.units for s in u.slots}
+    missing = sorted(set(live) - set(saved))
+    if missing:
+        raise CheckpointError(f"{meta_path}: no saved values for parameters {missing[:5]} of this "
+                              "model (was it saved from another model?)")
+    wrong = [n for n in live if saved[n]["shape"] != live[n]]
+    if wrong:
+        n = wrong[0]
+        raise CheckpointError(f"{meta_path}: parameter {n} has shape {saved[n]['shape']} in the "
+                              f"checkpoint but {live[n]} in this model")
+
+
+def _full(opt, unit, shard: torch.Tensor) -> torch.Tensor:
+    """Owned-sized tensor from this rank's shard: the shard itself, or all-gathered (stage 0)."""
+    if opt.policy.shards_optimizer:
+        return shard
+    full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
+    opt.comm.all_gather(full, shard)
+    return full
+
+
+def _install(opt, unit, tensors: dict, group_meta: dict | None) -> None:
+    """Put loaded shards into the master, the compute-dtype parameters and the optimizer state."""
+    master = opt.masters[unit.index]
+    values = _full(opt, unit, tensors["model"])
+    master.data.copy_(values)
+    owned = opt.policy.owned_param(unit)
+    if owned.data_ptr() != master.data_ptr():
+        owned.copy_(master.data)
+    if group_meta is None:
+        return
+    fresh = {}
+    for key in group_meta["tensor_keys"]:
+        fresh[key] = _full(opt, unit, tensors[key]).to(master.dtype)
+    for key, info in group_meta["scalars"].items():
+        value = info["value"]
+        if info["dtype"] is not None:
+            fresh[key] = torch.tensor(value, dtype=getattr(torch, info["dtype"].split(".")[-1]),
+                                      device=master.device)
+        else:
+            fresh[key] = value
+    if fresh:  # in the optimizer's own key order
+        opt.optimizer.state[master] = {k: fresh[k] for k in group_meta["order"] if k in fresh}
+
+
+def _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim) -> None:
+    counters = meta["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.micro_steps = counters["micro_steps"]
+    engine.skipped_steps = counters["skipped_steps"]
+    engine.optimizer.steps = counters["optimizer_steps"]
+    engine.scaler.load_state_dict(meta["scaler"])
+    if with_optim:
+        for group, saved in zip(engine.optimizer.param_groups, meta["optimizer"]["groups"]):
+            for key, value in saved["hyper"].items():
+                if key in group:  # betas come back from JSON as a list
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and \
+            meta.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    rng_path = os.path.join(path, f"rng-rank{engine.comm.rank}.pt")
+    if os.path.isfile(rng_path):
+        rng = _safe_torch_load(rng_path)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(_as_tuple(rng["python"]))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _as_tuple(value):
+    if isinstance(value, list):
+        return tuple(_as_tuple(v) for v in value)
+    return value

@@ -1,0 +1,237 @@
+"""Sharded checkpoints: exact resume at every stage, resharding to other world sizes and stages,
+refusal of unsafe / truncated / incomplete checkpoints, and a save killed half-way."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.checkpoint import CheckpointError
+from tests.harness import run_world
+from tests.models import lm_loss, make_batches, make_model, micro_slice, reference_run
+
+GLOBAL = 12  # divisible by 1, 2, 3 and 4: the same global batch at every world size
+CLIP = 0.05
+
+
+def _config(stage, world):
+    stage3 = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    return {"train_micro_batch_size_per_gpu": GLOBAL // world, "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, **stage3}}
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _engine(stage, world, scheduler=False):
+    model = make_model()
+    optimizer = _adam(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
+    engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer, lr_scheduler=sched,
+                                           config=_config(stage, world))
+    return engine, model
+
+
+def _train(engine, batches, rank, world):
+    for batch in batches:
+        tokens, targets = micro_slice(batch, 0, rank, world, GLOBAL // world)
+        engine.backward(lm_loss(engine(tokens), targets))
+        engine.step()
+
+
+def _state(engine, model):
+    """Whole parameters, this rank's optimizer state tensors, and the LR."""
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optim = [t.clone() for s in engine.optimizer.state.values() for t in s.values()
+             if torch.is_tensor(t)]
+    return params, optim, engine.get_lr()
+
+
+def _resume(rank, world, stage, root):
+    """k + m uninterrupted steps vs k steps, save, load into a fresh engine, m steps."""
+    batches = make_batches(5, GLOBAL)
+    engine, model = _engine(stage, world, scheduler=True)
+    _train(engine, batches, rank, world)
+    expected = _state(engine, model)
+    engine.destroy()
+    engine, model = _engine(stage, world, scheduler=True)
+    _train(engine, batches[:3], rank, world)
+    path = engine.save_checkpoint(root, client_state={"epoch": 3, "seen": torch.arange(3)})
+    engine.destroy()
+    torch.manual_seed(1234 + rank)  # the checkpoint's RNG state must win over this
+    engine, model = _engine(stage, world, scheduler=True)
+    loaded, client = engine.load_checkpoint(root)
+    counters = (engine.global_steps, engine.micro_steps)
+    _train(engine, batches[3:], rank, world)
+    got = _state(engine, model)
+    engine.destroy()
+    return {
+        "params_equal": all(torch.equal(got[0][n], expected[0][n]) for n in expected[0]),
+        "optim_equal": len(got[1]) == len(expected[1]) and
+        all(torch.equal(a, b) for a, b in zip(got[1], expected[1])),
+        "lr": (got[2], expected[2]), "path": (path, loaded), "counters": counters,
+        "client": (client["epoch"], client["seen"].tolist()),
+        "tag": os.path.basename(path), "latest": open(os.path.join(root, "latest")).read(),
+    }
+
+
+def _refusals(rank, world, root):
+    """Bad input at save and load: named errors, nothing written or loaded."""
+    out = {}
+    engine, _ = _engine(2, world)
+    out["empty"] = engine.load_checkpoint(os.path.join(root, "nothing-here"))
+    try:
+        engine.save_checkpoint(root, tag="bad", client_state={"fn": _adam})
+        out["client"] = None
+    except ValueError as err:
+        out["client"] = str(err)
+    out["bad_written"] = os.path.exists(os.path.join(root, "bad"))
+    engine.save_checkpoint(root, tag="good")
+    good = os.path.join(root, "good")
+    for case, damage in (("truncated", _truncate), ("unsafe", _evil_metadata),
+                         ("no_meta", _drop_meta)):
+        copy = os.path.join(root, case)
+        if rank == 0:
+            shutil.copytree(good, copy)
+            damage(copy)
+        dist.barrier()
+        try:
+            engine.load_checkpoint(root, tag=case)
+            out[case] = None
+        except CheckpointError as err:
+            out[case] = str(err)
+    out["marker"] = os.path.exists(os.path.join(root, "pwned"))
+    engine.destroy()
+    return out
+
+
+def _truncate(path):
+    data = os.path.join(path, "__1_0.distcp")
+    with open(data, "r+b") as fh:
+        fh.truncate(os.path.getsize(data) // 2)
+
+
+class _Evil:
+    def __reduce__(self):
+        return os.system, (f"touch {os.path.join(os.path.dirname(self.path), 'pwned')}",)
+
+
+def _evil_metadata(path):
+    evil = _Evil()
+    evil.path = path
+    with open(os.path.join(path, ".metadata"), "wb") as fh:
+        pickle.dump(evil, fh)
+
+
+def _drop_meta(path):
+    os.remove(os.path.join(path, "zeroshard.json"))
+
+
+def _save_world4(rank, world, root):
+    engine, _ = _engine(2, world)
+    _train(engine, make_batches(5, GLOBAL)[:3], rank, world)
+    engine.save_checkpoint(root)
+    engine.destroy()
+
+
+def _continue(rank, world, stage, root):
+    engine, model = _engine(stage, world)
+    engine.load_checkpoint(root)
+    _train(engine, make_batches(5, GLOBAL)[3:], rank, world)
+    engine.destroy()
+    ref = reference_run(lambda m: _adam(m.parameters()), make_batches(5, GLOBAL), CLIP)
+    return max(((p.detach() - ref[n]).abs().max() / ref[n].abs().max()).item()
+               for n, p in model.named_parameters())
+
+
+def _world2(rank, world, root):
+    out = {stage: _resume(rank, world, stage, os.path.join(root, f"s{stage}")) for stage in range(4)}
+    out["refusals"] = _refusals(rank, world, os.path.join(root, "refusals"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """Rank results of the resume and refusal cases at world size 2."""
+    return run_world(2, _world2, str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_is_bitwise_exact(world2, stage):
+    for rank, got in enumerate(world2):
+        got = got[stage]
+        assert got["params_equal"] and got["optim_equal"], f"rank {rank}: resumed run differs"
+        assert got["lr"][0] == got["lr"][1]  # the LR scheduler resumed too
+        assert got["counters"] == (3, 3) and got["client"] == (3, [0, 1, 2])
+        assert got["tag"] == "global_step3" and got["latest"] == "global_step3"
+        assert got["path"][0] == got["path"][1]
+
+
+def test_bad_checkpoints_are_refused_by_name(world2):
+    for got in (r["refusals"] for r in world2):
+        assert got["empty"] == (None, None)
+        assert "client_state can only hold" in got["client"] and not got["bad_written"]
+        assert "checkpoint file truncated" in got["truncated"] and "__1_0.distcp" in got["truncated"]
+        assert "refusing to load posix.system" in got["unsafe"] and not got["marker"]
+        assert "checkpoint file missing" in got["no_meta"] and "zeroshard.json" in got["no_meta"]
+
+
+@pytest.fixture(scope="module")
+def saved_at_world4(tmp_path_factory):
+    """A stage-2 checkpoint written by 4 ranks after 3 steps."""
+    root = str(tmp_path_factory.mktemp("w4"))
+    run_world(4, _save_world4, root)
+    return root
+
+
+@pytest.mark.parametrize("world,stage", [(2, 3), (3, 1), (1, 0)])
+def test_resume_at_another_world_size_and_stage(saved_at_world4, world, stage):
+    errors = run_world(world, _continue, stage, saved_at_world4)
+    assert max(errors) < 1e-5, errors
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import os, signal, sys, torch, zeroshard
+    import torch.distributed.checkpoint as dcp
+    from tests.models import make_model
+    root = sys.argv[1]
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), config={"train_batch_size": 1, "zero_optimization": {"stage": 2}})
+    engine.save_checkpoint(root, tag="first")
+    original = dcp.save
+    def dying_save(*args, **kwargs):
+        original(*args, **kwargs)          # the data files are written ...
+        os.kill(os.getpid(), signal.SIGKILL)  # ... and the process dies before the rename
+    dcp.save = dying_save
+    engine.save_checkpoint(root, tag="second")
+""")
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
+    root = str(tmp_path / "ckpt")
+    done = subprocess.run([sys.executable, "-c", KILLED_SAVE, root], cwd=os.getcwd(),
+                          env={**os.environ, "ZEROSHARD_QUIET": "1"}, capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    assert open(os.path.join(root, "latest")).read() == "first"
+    assert not os.path.exists(os.path.join(root, "second"))
+    results = run_world(1, _load_latest, root)
+    assert results[0] == "first"
+
+
+def _load_latest(rank, world, root):
+    engine, _ = _engine(2, world)
+    path, _ = engine.load_checkpoint(root)
+    engine.destroy()
+    return os.path.basename(path)

@@ -235,3 +235,98 @@ def _load_latest(rank, world, root):
     path, _ = engine.load_checkpoint(root)
     engine.destroy()
     return os.path.basename(path)
+
+
+# -- consolidation --------------------------------------------------------------------------------
+
+def _save_stage3(rank, world, root, out16):
+    engine, model = _engine(3, world)
+    engine._config.zero_optimization.stage3_gather_16bit_weights_on_model_save = True
+    _train(engine, make_batches(2, GLOBAL), rank, world)
+    engine.save_checkpoint(root)
+    engine.save_16bit_model(out16)
+    live = engine.consolidated_state_dict(rank0_only=False)
+    engine.destroy()
+    return {k: v.clone() for k, v in live.items()}
+
+
+@pytest.fixture(scope="module")
+def stage3_checkpoint(tmp_path_factory):
+    """A stage-3 checkpoint from 2 ranks, its 16-bit export, and the live state dict."""
+    root = tmp_path_factory.mktemp("s3")
+    live = run_world(2, _save_stage3, str(root / "ckpt"), str(root / "out16"))[0]
+    return root, live
+
+
+def test_consolidate_writes_the_live_weights_as_safetensors(stage3_checkpoint, capsys):
+    from safetensors.torch import load_file
+
+    from zeroshard import cli
+
+    root, live = stage3_checkpoint
+    out = root / "whole"
+    assert cli.main(["consolidate", str(root / "ckpt"), str(out)]) == 0
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(live)  # state_dict names, tied weights under both names
+    assert all(torch.equal(got[k], live[k]) for k in live)
+    make_model().load_state_dict(got)  # strict
+    exported = load_file(root / "out16" / "model.safetensors")  # save_16bit_model, fp32 here
+    assert all(torch.equal(exported[k], live[k]) for k in live)
+
+
+def test_consolidate_shards_with_an_index_and_casts(stage3_checkpoint):
+    import json
+
+    from safetensors.torch import load_file
+
+    from zeroshard.consolidate import consolidate, consolidated_state_dict
+
+    root, live = stage3_checkpoint
+    files = consolidate(str(root / "ckpt"), str(root / "sharded"), dtype="bf16",
+                        max_shard_size="2KB")
+    assert len(files) > 1
+    index = json.loads((root / "sharded" / "model.safetensors.index.json").read_text())
+    got = {}
+    for file in set(index["weight_map"].values()):
+        got.update(load_file(root / "sharded" / file))
+    assert sorted(got) == sorted(live)
+    assert all(torch.equal(got[k], live[k].to(torch.bfloat16)) for k in live)
+    in_memory = consolidated_state_dict(str(root / "ckpt"))
+    assert all(torch.equal(in_memory[k], live[k]) for k in live)
+
+
+def test_consolidate_errors_are_one_line(tmp_path, capsys):
+    from zeroshard import cli
+
+    assert cli.main(["consolidate", str(tmp_path / "none"), str(tmp_path / "out")]) == 2
+    assert "has no 'latest' file" in capsys.readouterr().err
+
+
+def _save_many_tensors(rank, world, root):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(64)])
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+    engine.save_checkpoint(root)
+    engine.destroy()
+
+
+MEASURE_CONSOLIDATE = textwrap.dedent("""
+    import os, resource, sys
+    from zeroshard.consolidate import consolidate
+    before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    consolidate(sys.argv[1], sys.argv[2])
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+""")
+
+
+def test_consolidate_peak_memory_follows_the_largest_tensor(tmp_path):
+    """64 tensors of 4 MiB (a 256 MiB model): consolidating must not hold the model."""
+    run_world(1, _save_many_tensors, str(tmp_path / "ckpt"))
+    done = subprocess.run([sys.executable, "-c", MEASURE_CONSOLIDATE, str(tmp_path / "ckpt"),
+                           str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rise = int(done.stdout.split()[-1])
+    largest = 1024 * 1024 * 4
+    assert rise < 8 * largest + 24 * 2**20, f"peak RSS rose {rise / 2**20:.0f} MiB"

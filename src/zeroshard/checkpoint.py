@@ -23,6 +23,7 @@ checked to exist and be long enough; a missing or truncated file is an error nam
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -49,6 +50,16 @@ _ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _REFUSED = {"BytesStorageMetadata"}  # non-tensor payloads would be unpickled on load
+
+
+@contextlib.contextmanager
+def quiet_dcp():
+    """DCP warns on every ShardedTensor use (deprecated in favour of DTensor, which cannot express
+    our uneven fragments) and when it loads without a process group; neither concerns the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single.*")
+        yield
 
 
 class CheckpointError(RuntimeError):
@@ -137,7 +148,8 @@ def _sharded(unit, slot, world: int, rank: int, shard: torch.Tensor, device) -> 
             local.append(Shard(shard[begin:begin + end - start], meta))
     spec = ShardedTensorMetadata(metas, torch.Size([slot.numel]),
                                  TensorProperties(dtype=shard.dtype))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, spec)
+    with quiet_dcp():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, spec)
 
 
 def _rank_shard(opt, unit, tensor: torch.Tensor) -> torch.Tensor:
@@ -238,7 +250,8 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             state[f"frozen.{name}"] = param.detach()
     for name, buf in engine.module.named_buffers():
         state[f"buffer.{name}"] = buf.detach()
-    dcp.save(state, storage_writer=FileSystemWriter(partial))
+    with quiet_dcp():
+        dcp.save(state, storage_writer=FileSystemWriter(partial))
     torch.save(_rng_state(), os.path.join(partial, f"rng-rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(partial, CLIENT), "wb") as fh:
@@ -253,7 +266,11 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             "scaler": engine.scaler.state_dict(),
             "lr_scheduler": _scheduler_state(engine.lr_scheduler),
             "params": params,
+            "state_dict": _state_dict_map(engine, exclude_frozen),
         }
+        config = getattr(engine.module, "config", None)
+        if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
+            config.to_json_file(os.path.join(partial, "config.json"))
         with open(os.path.join(partial, META), "w") as fh:
             json.dump(meta, fh, indent=1)
     comm.barrier()  # every rank's files are in place
@@ -273,6 +290,18 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             os.replace(tmp, os.path.join(save_dir, LATEST))
     comm.barrier()
     return final
+
+
+def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
+    """`module.state_dict()` key -> the saved entry holding it (tied weights share one)."""
+    saved_name = {id(s.param): f"model.{s.name}" for u in engine.optimizer.units for s in u.slots}
+    for name, param in engine.module.named_parameters():
+        if id(param) not in saved_name and not exclude_frozen:
+            saved_name[id(param)] = f"frozen.{name}"
+    for name, buf in engine.module.named_buffers():
+        saved_name.setdefault(id(buf), f"buffer.{name}")
+    return {key: saved_name[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items()
+            if id(t) in saved_name}
 
 
 def _scheduler_state(scheduler):
@@ -358,7 +387,8 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     # Frozen parameters saved with exclude_frozen_parameters keep their current values.
     state.update({k: v for k, v in rest.items() if k in saved_keys})
     try:
-        dcp.load(state, storage_reader=reader)
+        with quiet_dcp():
+            dcp.load(state, storage_reader=reader)
     except CheckpointError:
         raise
     except Exception as err:

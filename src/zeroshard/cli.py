@@ -102,17 +102,39 @@ def _top_level(argv: list[str]) -> int:
                    add_help=False)
     est = sub.add_parser("estimate", help="per-device memory of each ZeRO stage (planned)")
     est.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    con = sub.add_parser("consolidate", help="merge a sharded checkpoint into one file (planned)")
-    con.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    con = sub.add_parser("consolidate", help="write a sharded checkpoint as safetensors, "
+                         "one tensor in memory at a time")
+    con.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
+    con.add_argument("out_dir", help="where model.safetensors (or shards + index) go")
+    con.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    con.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    con.add_argument("--max-shard-size", default=None,
+                     help="split into Hugging Face style shards of at most this size (e.g. 5GB)")
     if not argv:
         parser.print_help()
         return 2
     args = parser.parse_args(argv)
-    if args.command in ("estimate", "consolidate"):
+    if args.command == "consolidate":
+        return _consolidate(args)
+    if args.command == "estimate":
         print(f"zeroshard {args.command}: not implemented yet: planned", file=sys.stderr)
         return 2
     parser.print_help()
     return 2
+
+
+def _consolidate(args) -> int:
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.consolidate import consolidate
+
+    try:
+        files = consolidate(args.checkpoint_dir, args.out_dir, args.tag, args.dtype,
+                            args.max_shard_size)
+    except (CheckpointError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    for file in files:
+        print(file)
+    return 0
 
 
 def _version_string() -> str:

@@ -225,9 +225,11 @@ class Engine(nn.Module):
         """DeepSpeed's name (used by Hugging Face Trainer): the consolidated state dict on rank 0."""
         return self.consolidated_state_dict(rank0_only=True)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Rank 0 writes the consolidated weights with torch.save; False when stage 3 is not set
-        to gather them (stage3_gather_16bit_weights_on_model_save), as in DeepSpeed."""
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the weights in the compute dtype (safetensors for a `.safetensors`
+        name, torch.save otherwise); at stage 3 only when stage3_gather_16bit_weights_on_model_save
+        is true (False and a warning otherwise, as in DeepSpeed). Every rank calls it."""
         if self.zero_optimization_stage() == 3 and not self.zero_gather_16bit_weights_on_model_save():
             warnings.warn("save_16bit_model: nothing saved, because at stage 3 it needs "
                           "zero_optimization.stage3_gather_16bit_weights_on_model_save=true "
@@ -235,10 +237,23 @@ class Engine(nn.Module):
             return False
         state = self.consolidated_state_dict(rank0_only=True)
         if self.rank == 0:
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                state = {k: v for k, v in state.items() if k not in frozen}
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
-            tmp = path + ".tmp"
-            torch.save(state, tmp)
+            tmp = path + ".partial"
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+
+                seen: set[int] = set()  # tied weights: safetensors wants one tensor per name
+                untied = {}
+                for name, tensor in state.items():
+                    untied[name] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
+                    seen.add(id(tensor))
+                save_file(untied, tmp, metadata={"format": "pt"})
+            else:
+                torch.save(state, tmp)
             os.replace(tmp, path)  # never a half-written file under the final name
         self.comm.barrier()
         return True

@@ -1,0 +1,155 @@
+"""`zeroshard consolidate`: a sharded checkpoint -> the whole model as safetensors, one tensor at a time.
+
+No process group and no model are needed. For each entry of the saved model's `state_dict()` (names
+as the model has them, tied weights under each of their names, buffers included) DCP reads every
+rank's fragments of that one tensor into one buffer; the tensor is cast to the requested dtype and
+appended to the output file, whose safetensors header was written first from the sizes recorded in
+`zeroshard.json`. Peak memory is therefore about the largest tensor, not the model.
+
+With `max_shard_bytes`, the output is split Hugging Face style: `model-00001-of-0000N.safetensors`
+files plus `model.safetensors.index.json`. A `config.json` saved with the checkpoint (a
+transformers model's config) is copied alongside, so `from_pretrained(out_dir)` works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .checkpoint import META, CheckpointError, SafeReader, quiet_dcp, resolve_tag
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def parse_size(text: str | int) -> int:
+    """`5GB`, `500MB`, `2GiB` or a number of bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--max-shard-size {text!r}: expected e.g. 5GB, 500MB or a byte count")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(number * scale)
+
+
+def _entries(path: str):
+    """(state_dict name, saved key, shape, saved dtype) for every tensor of the saved model."""
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"checkpoint file missing: {meta_path}")
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    reader = SafeReader(path)
+    saved = reader.read_metadata().state_dict_metadata  # also checks every data file
+    out = []
+    for name, key in meta["state_dict"].items():
+        if key not in saved:
+            raise CheckpointError(f"{path}: {key} (for {name}) is not in the checkpoint")
+        props = saved[key].properties
+        shape = meta["params"][key[len("model."):]]["shape"] if key.startswith("model.") \
+            else list(saved[key].size)
+        out.append((name, key, shape, props.dtype))
+    return out
+
+
+def _read(path: str, key: str, shape, dtype) -> torch.Tensor:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    flat = key.startswith("model.")
+    buffer = torch.empty(numel if flat else shape, dtype=dtype)
+    with quiet_dcp():
+        dcp.load({key: buffer}, storage_reader=SafeReader(path), no_dist=True)
+    return buffer.view(shape)
+
+
+def consolidated_state_dict(checkpoint_dir: str, tag: str | None = None,
+                            dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from a zeroshard checkpoint (parameters in `dtype`)."""
+    path = _tag_path(checkpoint_dir, tag)
+    out = {}
+    for name, key, shape, saved_dtype in _entries(path):
+        tensor = _read(path, key, shape, saved_dtype)
+        out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return out
+
+
+def _tag_path(checkpoint_dir: str, tag: str | None) -> str:
+    tag = resolve_tag(checkpoint_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass --tag")
+    path = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    return path
+
+
+def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
+                max_shard_size: str | int | None = None) -> list[str]:
+    """Write the whole model as safetensors under `out_dir`, one tensor in memory at a time."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    target = DTYPES[dtype]
+    path = _tag_path(checkpoint_dir, tag)
+    entries = []
+    for name, key, shape, saved_dtype in _entries(path):
+        out_dtype = target if saved_dtype.is_floating_point else saved_dtype
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        entries.append((name, key, shape, saved_dtype, out_dtype,
+                        numel * torch.empty((), dtype=out_dtype).element_size()))
+    limit = parse_size(max_shard_size) if max_shard_size else None
+    shards, current, size = [], [], 0
+    for entry in entries:
+        if limit and current and size + entry[5] > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += entry[5]
+    shards.append(current)
+    os.makedirs(out_dir, exist_ok=True)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, shard in zip(names, shards):
+        _write_safetensors(os.path.join(out_dir, file), path, shard)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(e[5] for e in entries)},
+                 "weight_map": {e[0]: file for file, shard in zip(names, shards) for e in shard}}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+            json.dump(index, fh, indent=2)
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        shutil.copy(config, os.path.join(out_dir, "config.json"))
+    return [os.path.join(out_dir, n) for n in names]
+
+
+def _write_safetensors(file: str, path: str, entries) -> None:
+    """Header first (sizes are known), then each tensor's bytes, read one at a time."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, _, shape, _, out_dtype, nbytes in entries:
+        header[name] = {"dtype": _ST_NAMES[out_dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    tmp = file + ".partial"
+    with open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for name, key, shape, saved_dtype, out_dtype, _ in entries:
+            tensor = _read(path, key, shape, saved_dtype).to(out_dtype).contiguous()
+            fh.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
+            del tensor
+    os.replace(tmp, file)

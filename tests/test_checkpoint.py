@@ -155,9 +155,29 @@ def _continue(rank, world, stage, root):
                for n, p in model.named_parameters())
 
 
+def _sampler_epoch(rank, world, root):
+    """The DataLoader initialize() built resumes in the epoch it was saved in."""
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    epochs = []
+    for save in (True, False):
+        model = make_model()
+        engine, _, loader, _ = zeroshard.initialize(
+            model=model, optimizer=_adam(model.parameters()), training_data=data,
+            config=_config(2, world))
+        if save:
+            loader.sampler.set_epoch(3)
+            engine.save_checkpoint(root)
+        else:
+            engine.load_checkpoint(root)
+        epochs.append(loader.sampler.epoch)
+        engine.destroy()
+    return epochs
+
+
 def _world2(rank, world, root):
     out = {stage: _resume(rank, world, stage, os.path.join(root, f"s{stage}")) for stage in range(4)}
     out["refusals"] = _refusals(rank, world, os.path.join(root, "refusals"))
+    out["sampler"] = _sampler_epoch(rank, world, os.path.join(root, "sampler"))
     return out
 
 
@@ -176,6 +196,10 @@ def test_resume_is_bitwise_exact(world2, stage):
         assert got["counters"] == (3, 3) and got["client"] == (3, [0, 1, 2])
         assert got["tag"] == "global_step3" and got["latest"] == "global_step3"
         assert got["path"][0] == got["path"][1]
+
+
+def test_data_sampler_epoch_is_restored(world2):
+    assert all(r["sampler"] == [3, 3] for r in world2)
 
 
 def test_bad_checkpoints_are_refused_by_name(world2):

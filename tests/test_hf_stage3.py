@@ -91,16 +91,39 @@ def _init_refusal():
     return None
 
 
-def _all(rank, world):
+def _checkpoint(rank, world, root):
+    """Train GPT-2 at stage 3, save a checkpoint; return the live weights."""
+    model = _build("gpt2")
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, optimizer=_optimizer(model),
+        config={"train_micro_batch_size_per_gpu": MICRO,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    ids = _batches(world)[0][rank * MICRO:(rank + 1) * MICRO]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(root)
+    live = {k: v.clone() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+    engine.destroy()
+    return live
+
+
+def _all(rank, world, root):
     out = {(name, t): _case(rank, world, name, t) for name in MODELS for t in (0, 100)}
     out["init"] = _init_refusal()
+    out["live"] = _checkpoint(rank, world, root)
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    """Per-rank (error, unit owners) per model and persistence threshold."""
-    return run_world(2, _all)
+def ckpt_root(tmp_path_factory):
+    """Where the GPT-2 checkpoint goes."""
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="module")
+def results(ckpt_root):
+    """Per-rank (error, unit owners) per model and persistence threshold, and more."""
+    return run_world(2, _all, str(ckpt_root / "ckpt"))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -118,3 +141,14 @@ def test_init_refuses_models_that_reinitialise_after_construction(results):
     for message in (r["init"] for r in results):
         assert message is not None and "GPT2LMHeadModel wrote to" in message
         assert "post_init" in message and "without zeroshard.Init" in message
+
+
+def test_consolidated_checkpoint_loads_with_from_pretrained(results, ckpt_root):
+    from zeroshard.consolidate import consolidate
+
+    consolidate(str(ckpt_root / "ckpt"), str(ckpt_root / "hf"))
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(ckpt_root / "hf"))
+    live = results[0]["live"]
+    state = model.state_dict()
+    assert all(torch.equal(state[k], live[k]) for k in live if k in state)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # still tied

@@ -267,6 +267,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             "lr_scheduler": _scheduler_state(engine.lr_scheduler),
             "params": params,
             "state_dict": _state_dict_map(engine, exclude_frozen),
+            "sampler_epoch": getattr(_sampler(engine), "epoch", None),
         }
         config = getattr(engine.module, "config", None)
         if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
@@ -290,6 +291,13 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             os.replace(tmp, os.path.join(save_dir, LATEST))
     comm.barrier()
     return final
+
+
+def _sampler(engine):
+    """The DistributedSampler of the DataLoader initialize() built, if any."""
+    loader = getattr(engine, "training_dataloader", None)
+    sampler = getattr(loader, "sampler", None)
+    return sampler if hasattr(sampler, "set_epoch") else None
 
 
 def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
@@ -469,6 +477,9 @@ def _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim) ->
     if load_lr_scheduler_states and engine.lr_scheduler is not None and \
             meta.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    sampler = _sampler(engine)
+    if sampler is not None and meta.get("sampler_epoch") is not None:
+        sampler.set_epoch(meta["sampler_epoch"])  # the epoch's shuffle order, as when saved
     rng_path = os.path.join(path, f"rng-rank{engine.comm.rank}.pt")
     if os.path.isfile(rng_path):
         rng = _safe_torch_load(rng_path)

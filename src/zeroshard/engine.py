@@ -42,6 +42,7 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        self.training_dataloader = None
         self.compute_dtype = _compute_dtype(config)
 
     # -- DeepSpeed-style accessors -----------------------------------------------------------------
@@ -407,6 +408,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if training_data is not None:
         loader = make_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, engine.comm,
                                  collate_fn)
+        engine.training_dataloader = loader  # its sampler's epoch goes into checkpoints
     return engine, zopt, loader, scheduler
 
 

@@ -23,9 +23,10 @@ GLOBAL = 12  # divisible by 1, 2, 3 and 4: the same global batch at every world 
 CLIP = 0.05
 
 
-def _config(stage, world):
+def _config(stage, world, bf16=False):
     stage3 = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     return {"train_micro_batch_size_per_gpu": GLOBAL // world, "gradient_clipping": CLIP,
+            "bf16": {"enabled": bf16},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, **stage3}}
 
 
@@ -33,12 +34,12 @@ def _adam(params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
-def _engine(stage, world, scheduler=False):
+def _engine(stage, world, scheduler=False, bf16=False):
     model = make_model()
     optimizer = _adam(model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer, lr_scheduler=sched,
-                                           config=_config(stage, world))
+                                           config=_config(stage, world, bf16))
     return engine, model
 
 
@@ -58,19 +59,19 @@ def _state(engine, model):
     return params, optim, engine.get_lr()
 
 
-def _resume(rank, world, stage, root):
+def _resume(rank, world, stage, root, bf16=False):
     """k + m uninterrupted steps vs k steps, save, load into a fresh engine, m steps."""
     batches = make_batches(5, GLOBAL)
-    engine, model = _engine(stage, world, scheduler=True)
+    engine, model = _engine(stage, world, scheduler=True, bf16=bf16)
     _train(engine, batches, rank, world)
     expected = _state(engine, model)
     engine.destroy()
-    engine, model = _engine(stage, world, scheduler=True)
+    engine, model = _engine(stage, world, scheduler=True, bf16=bf16)
     _train(engine, batches[:3], rank, world)
     path = engine.save_checkpoint(root, client_state={"epoch": 3, "seen": torch.arange(3)})
     engine.destroy()
     torch.manual_seed(1234 + rank)  # the checkpoint's RNG state must win over this
-    engine, model = _engine(stage, world, scheduler=True)
+    engine, model = _engine(stage, world, scheduler=True, bf16=bf16)
     loaded, client = engine.load_checkpoint(root)
     counters = (engine.global_steps, engine.micro_steps)
     _train(engine, batches[3:], rank, world)
@@ -178,7 +179,24 @@ def _world2(rank, world, root):
     out = {stage: _resume(rank, world, stage, os.path.join(root, f"s{stage}")) for stage in range(4)}
     out["refusals"] = _refusals(rank, world, os.path.join(root, "refusals"))
     out["sampler"] = _sampler_epoch(rank, world, os.path.join(root, "sampler"))
+    for stage in (2, 3):
+        out[f"bf16-{stage}"] = _resume(rank, world, stage, os.path.join(root, f"b{stage}"), True)
+    out["module_only"] = _module_only(rank, world, os.path.join(root, "s3"))
     return out
+
+
+def _module_only(rank, world, root):
+    """load_module_only: the weights come back, the optimizer and counters stay fresh."""
+    engine, model = _engine(3, world)
+    engine.load_checkpoint(root, tag="global_step3", load_module_only=True)
+    fresh = not engine.optimizer.state and engine.global_steps == 0
+    weights = _state(engine, model)[0]
+    engine.destroy()
+    saved, _ = _engine(1, world)  # reload fully at another stage for the reference weights
+    saved.load_checkpoint(root, tag="global_step3")
+    reference = _state(saved, saved.module)[0]
+    saved.destroy()
+    return fresh and all(torch.equal(weights[n], reference[n]) for n in reference)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +205,7 @@ def world2(tmp_path_factory):
     return run_world(2, _world2, str(tmp_path_factory.mktemp("ckpt")))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "bf16-2", "bf16-3"])
 def test_resume_is_bitwise_exact(world2, stage):
     for rank, got in enumerate(world2):
         got = got[stage]
@@ -196,6 +214,10 @@ def test_resume_is_bitwise_exact(world2, stage):
         assert got["counters"] == (3, 3) and got["client"] == (3, [0, 1, 2])
         assert got["tag"] == "global_step3" and got["latest"] == "global_step3"
         assert got["path"][0] == got["path"][1]
+
+
+def test_load_module_only_leaves_the_optimizer_fresh(world2):
+    assert all(r["module_only"] for r in world2)
 
 
 def test_data_sampler_epoch_is_restored(world2):

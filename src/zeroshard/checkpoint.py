@@ -282,6 +282,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             os.rename(final, old)
         os.rename(partial, final)
         shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(save_dir)  # the rename survives a power loss, not only a crash
         if save_latest:
             tmp = os.path.join(save_dir, f".{LATEST}.tmp")
             with open(tmp, "w") as fh:
@@ -289,8 +290,23 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, os.path.join(save_dir, LATEST))
+            _fsync_dir(save_dir)
     comm.barrier()
     return final
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the directory's entries (a rename) durable; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _sampler(engine):

@@ -83,6 +83,13 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         """Read `.metadata` admitting only DCP metadata classes; verify every data file."""
+        cached = getattr(self, "_checked_metadata", None)
+        if cached is not None:  # one reader serves several loads (consolidation)
+            return cached
+        self._checked_metadata = self._read_checked()
+        return self._checked_metadata
+
+    def _read_checked(self):
         path = os.path.join(self.path, ".metadata")
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint file missing: {path}")
@@ -387,12 +394,18 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
     state, loaded = {}, []
     for unit in opt.units:
-        shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.flat.device
-                            if unit.flat is not None else engine.device)
+        master = opt.masters[unit.index]
+        in_place = opt.policy.shards_optimizer  # masters and state are this rank's shard itself
+        # Read straight into the fp32 master and existing state (files were checked above);
+        # stage 0 reads its shard aside and all-gathers it in _install.
+        shard = master.data if in_place else torch.zeros(unit.shard_numel, device=master.device)
         tensors = {"model": shard}
         if with_optim:
+            current = opt.optimizer.state.get(master, {})
             for key in groups[unit.group_index]["tensor_keys"]:
-                tensors[key] = torch.zeros_like(shard)
+                existing = current.get(key)
+                tensors[key] = existing if in_place and torch.is_tensor(existing) and \
+                    existing.shape == shard.shape else torch.zeros_like(shard)
         for slot in unit.slots:
             for key, target in tensors.items():
                 name = f"model.{slot.name}" if key == "model" else f"optim.{key}.{slot.name}"
@@ -457,7 +470,8 @@ def _install(opt, unit, tensors: dict, group_meta: dict | None) -> None:
     """Put loaded shards into the master, the compute-dtype parameters and the optimizer state."""
     master = opt.masters[unit.index]
     values = _full(opt, unit, tensors["model"])
-    master.data.copy_(values)
+    if values.data_ptr() != master.data_ptr():
+        master.data.copy_(values)
     owned = opt.policy.owned_param(unit)
     if owned.data_ptr() != master.data_ptr():
         owned.copy_(master.data)

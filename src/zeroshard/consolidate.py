@@ -2,9 +2,10 @@
 
 No process group and no model are needed. For each entry of the saved model's `state_dict()` (names
 as the model has them, tied weights under each of their names, buffers included) DCP reads every
-rank's fragments of that one tensor into one buffer; the tensor is cast to the requested dtype and
+rank's fragments of that tensor into one buffer; the tensor is cast to the requested dtype and
 appended to the output file, whose safetensors header was written first from the sizes recorded in
-`zeroshard.json`. Peak memory is therefore about the largest tensor, not the model.
+`zeroshard.json`. Tensors are read a few at a time (at most max(2 x the largest, 16 MiB) per
+DCP call), so peak memory stays near the largest tensor, not the model.
 
 With `max_shard_bytes`, the output is split Hugging Face style: `model-00001-of-0000N.safetensors`
 files plus `model.safetensors.index.json`. A `config.json` saved with the checkpoint (a
@@ -63,25 +64,60 @@ def _entries(path: str):
     return out
 
 
-def _read(path: str, key: str, shape, dtype) -> torch.Tensor:
+def _read_many(reader: SafeReader, entries) -> list[torch.Tensor]:
+    """Read the listed (name, key, shape, dtype, ...) entries with one DCP load."""
+    buffers = {}
+    for entry in entries:
+        key, shape, dtype = entry[1], entry[2], entry[3]
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        buffers[key] = torch.empty(numel if key.startswith("model.") else shape, dtype=dtype)
+    with quiet_dcp():
+        dcp.load(buffers, storage_reader=reader, no_dist=True)
+    return [buffers[entry[1]].view(entry[2]) for entry in entries]
+
+
+def _batches(entries, budget: int):
+    """Consecutive runs of entries whose saved bytes stay within `budget` (at least one each)."""
+    run, size = [], 0
+    for entry in entries:
+        nbytes = _numel(entry[2]) * torch.empty((), dtype=entry[3]).element_size()
+        if run and size + nbytes > budget:
+            yield run
+            run, size = [], 0
+        run.append(entry)
+        size += nbytes
+    if run:
+        yield run
+
+
+def _numel(shape) -> int:
     numel = 1
     for dim in shape:
         numel *= dim
-    flat = key.startswith("model.")
-    buffer = torch.empty(numel if flat else shape, dtype=dtype)
-    with quiet_dcp():
-        dcp.load({key: buffer}, storage_reader=SafeReader(path), no_dist=True)
-    return buffer.view(shape)
+    return numel
+
+
+def _budget(entries) -> int:
+    """Bytes read per DCP call: two of the largest tensors, at least 16 MiB (memory stays near
+    the largest tensor; fewer, larger reads are much faster than one call per tensor)."""
+    largest = max((_numel(e[2]) * torch.empty((), dtype=e[3]).element_size() for e in entries),
+                  default=0)
+    return max(2 * largest, 16 * 2**20)
 
 
 def consolidated_state_dict(checkpoint_dir: str, tag: str | None = None,
                             dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
     """The whole model's state dict from a zeroshard checkpoint (parameters in `dtype`)."""
     path = _tag_path(checkpoint_dir, tag)
+    entries = _entries(path)
+    reader = SafeReader(path)
     out = {}
-    for name, key, shape, saved_dtype in _entries(path):
-        tensor = _read(path, key, shape, saved_dtype)
-        out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    for run in _batches(entries, _budget(entries)):
+        for (name, *_), tensor in zip(run, _read_many(reader, run)):
+            out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() \
+                else tensor
     return out
 
 
@@ -145,11 +181,13 @@ def _write_safetensors(file: str, path: str, entries) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
     tmp = file + ".partial"
+    reader = SafeReader(path)
     with open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)
-        for name, key, shape, saved_dtype, out_dtype, _ in entries:
-            tensor = _read(path, key, shape, saved_dtype).to(out_dtype).contiguous()
-            fh.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
+        for run in _batches(entries, _budget(entries)):
+            for entry, tensor in zip(run, _read_many(reader, run)):
+                tensor = tensor.to(entry[4]).contiguous()
+                fh.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
             del tensor
     os.replace(tmp, file)

@@ -15,6 +15,7 @@ transformers model's config) is copied alongside, so `from_pretrained(out_dir)` 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -44,80 +45,71 @@ def parse_size(text: str | int) -> int:
     return int(number * scale)
 
 
-def _entries(path: str):
+def _entries(path: str, reader: SafeReader):
     """(state_dict name, saved key, shape, saved dtype) for every tensor of the saved model."""
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"checkpoint file missing: {meta_path}")
     with open(meta_path) as fh:
         meta = json.load(fh)
-    reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata  # also checks every data file
     out = []
     for name, key in meta["state_dict"].items():
         if key not in saved:
             raise CheckpointError(f"{path}: {key} (for {name}) is not in the checkpoint")
-        props = saved[key].properties
         shape = meta["params"][key[len("model."):]]["shape"] if key.startswith("model.") \
             else list(saved[key].size)
-        out.append((name, key, shape, props.dtype))
+        out.append((name, key, shape, saved[key].properties.dtype))
     return out
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def _read_many(reader: SafeReader, entries) -> list[torch.Tensor]:
     """Read the listed (name, key, shape, dtype, ...) entries with one DCP load."""
     buffers = {}
-    for entry in entries:
-        key, shape, dtype = entry[1], entry[2], entry[3]
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        buffers[key] = torch.empty(numel if key.startswith("model.") else shape, dtype=dtype)
+    for _, key, shape, dtype, *_ in entries:
+        buffers[key] = torch.empty(math.prod(shape) if key.startswith("model.") else shape,
+                                   dtype=dtype)
     with quiet_dcp():
         dcp.load(buffers, storage_reader=reader, no_dist=True)
     return [buffers[entry[1]].view(entry[2]) for entry in entries]
 
 
-def _batches(entries, budget: int):
-    """Consecutive runs of entries whose saved bytes stay within `budget` (at least one each)."""
+def _runs(entries, limit: int | None, size_of):
+    """Consecutive runs of entries whose sizes add up to at most `limit` (at least one each)."""
     run, size = [], 0
     for entry in entries:
-        nbytes = _numel(entry[2]) * torch.empty((), dtype=entry[3]).element_size()
-        if run and size + nbytes > budget:
+        if limit and run and size + size_of(entry) > limit:
             yield run
             run, size = [], 0
         run.append(entry)
-        size += nbytes
+        size += size_of(entry)
     if run:
         yield run
 
 
-def _numel(shape) -> int:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return numel
-
-
-def _budget(entries) -> int:
-    """Bytes read per DCP call: two of the largest tensors, at least 16 MiB (memory stays near
-    the largest tensor; fewer, larger reads are much faster than one call per tensor)."""
-    largest = max((_numel(e[2]) * torch.empty((), dtype=e[3]).element_size() for e in entries),
-                  default=0)
-    return max(2 * largest, 16 * 2**20)
+def _read_runs(reader: SafeReader, entries):
+    """Yield (entry, tensor) in order, reading a few tensors per DCP call: at most two of the
+    largest tensors (and at least 16 MiB), so memory stays near the largest tensor while the
+    reads stay few (one call per tensor measured 5x slower)."""
+    saved_size = lambda e: _nbytes(e[2], e[3])  # noqa: E731
+    budget = max(2 * max(map(saved_size, entries), default=0), 16 * 2**20)
+    for run in _runs(entries, budget, saved_size):
+        yield from zip(run, _read_many(reader, run))
 
 
 def consolidated_state_dict(checkpoint_dir: str, tag: str | None = None,
                             dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
     """The whole model's state dict from a zeroshard checkpoint (parameters in `dtype`)."""
     path = _tag_path(checkpoint_dir, tag)
-    entries = _entries(path)
     reader = SafeReader(path)
     out = {}
-    for run in _batches(entries, _budget(entries)):
-        for (name, *_), tensor in zip(run, _read_many(reader, run)):
-            out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() \
-                else tensor
+    for (name, *_), tensor in _read_runs(reader, _entries(path, reader)):
+        out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() \
+            else tensor
     return out
 
 
@@ -138,28 +130,18 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype
         raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     path = _tag_path(checkpoint_dir, tag)
+    reader = SafeReader(path)
     entries = []
-    for name, key, shape, saved_dtype in _entries(path):
+    for name, key, shape, saved_dtype in _entries(path, reader):
         out_dtype = target if saved_dtype.is_floating_point else saved_dtype
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        entries.append((name, key, shape, saved_dtype, out_dtype,
-                        numel * torch.empty((), dtype=out_dtype).element_size()))
+        entries.append((name, key, shape, saved_dtype, out_dtype, _nbytes(shape, out_dtype)))
     limit = parse_size(max_shard_size) if max_shard_size else None
-    shards, current, size = [], [], 0
-    for entry in entries:
-        if limit and current and size + entry[5] > limit:
-            shards.append(current)
-            current, size = [], 0
-        current.append(entry)
-        size += entry[5]
-    shards.append(current)
+    shards = list(_runs(entries, limit, lambda e: e[5]))
     os.makedirs(out_dir, exist_ok=True)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, shard in zip(names, shards):
-        _write_safetensors(os.path.join(out_dir, file), path, shard)
+        _write_safetensors(os.path.join(out_dir, file), reader, shard)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(e[5] for e in entries)},
                  "weight_map": {e[0]: file for file, shard in zip(names, shards) for e in shard}}
@@ -171,8 +153,8 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype
     return [os.path.join(out_dir, n) for n in names]
 
 
-def _write_safetensors(file: str, path: str, entries) -> None:
-    """Header first (sizes are known), then each tensor's bytes, read one at a time."""
+def _write_safetensors(file: str, reader: SafeReader, entries) -> None:
+    """Header first (sizes are known), then each tensor's bytes, read a few at a time."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, _, shape, _, out_dtype, nbytes in entries:
         header[name] = {"dtype": _ST_NAMES[out_dtype], "shape": list(shape),
@@ -181,13 +163,10 @@ def _write_safetensors(file: str, path: str, entries) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
     tmp = file + ".partial"
-    reader = SafeReader(path)
     with open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)
-        for run in _batches(entries, _budget(entries)):
-            for entry, tensor in zip(run, _read_many(reader, run)):
-                tensor = tensor.to(entry[4]).contiguous()
-                fh.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
-            del tensor
+        for entry, tensor in _read_runs(reader, entries):
+            tensor = tensor.to(entry[4]).contiguous()
+            fh.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
     os.replace(tmp, file)

@@ -157,10 +157,22 @@ class Stage2(StagePolicy):
 
     def _end_of_backward(self) -> None:
         self._launch(force=True)
+        self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        """Land every reduce-scatter, reduce gradients that came late, reset for the next backward.
+
+        A gradient can arrive after its unit was launched (a parameter used again by a later
+        reentrant-checkpoint backward): its buffer is reduced on its own, never carried over.
+        """
+        while self.in_flight:
+            self._land()
+        for index in list(self.buffers):
+            self._launch_unit(self.units[index])
         while self.in_flight:
             self._land()
         self.missing = {u.index: len(u.slots) for u in self.units}
-        self.launched: set[int] = set()
+        self.launched.clear()
         self.next_launch = 0
         self.callback_queued = False
 

@@ -218,21 +218,9 @@ class Stage3(Stage2):
         for unit in self.units:
             if unit.index not in self.launched:
                 self._launch_unit(unit)  # unused parameters: zeros where no gradient came
-        while self.in_flight:
-            self._land()
-        for index in list(self.buffers):
-            # A gradient that arrived after its unit was launched (a parameter used again by a
-            # later reentrant-checkpoint backward): reduce it on its own.
-            unit = self.by_index[index]
-            self.guard.check("reduce-scatter", index)
-            super()._launch_unit(unit)
-        while self.in_flight:
-            self._land()
+        self._finish_backward()
         self.reshard_all()
         self.schedule.finish_backward()
-        self.missing = {u.index: len(u.slots) for u in self.units}
-        self.launched.clear()
-        self.callback_queued = False
 
     # -- interface -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:

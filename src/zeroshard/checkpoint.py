@@ -207,8 +207,11 @@ def _optimizer_meta(opt) -> list[dict]:
             except TypeError:
                 pass  # e.g. a callable: kept from the live optimizer
         scalars, tensor_keys, order = {}, [], []
-        for master in group["params"]:
-            for key, value in opt.optimizer.state.get(master, {}).items():
+        for unit in opt.units:
+            if opt.param_groups[unit.group_index] is not group:
+                continue
+            master, unit_state = opt.placement.tensors(unit)
+            for key, value in unit_state.items():
                 if key not in order:
                     order.append(key)
                 if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
@@ -242,9 +245,10 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
     device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
     groups = _optimizer_meta(opt)
     params = {}
-    for unit, master in zip(opt.units, opt.masters):
+    for unit in opt.units:
+        master, unit_state = opt.placement.tensors(unit)  # mapped onto swap files for NVMe
         shard = _rank_shard(opt, unit, master.detach())
-        tensor_state = {k: _rank_shard(opt, unit, v) for k, v in opt.optimizer.state.get(master, {}).items()
+        tensor_state = {k: _rank_shard(opt, unit, v) for k, v in unit_state.items()
                         if k in groups[unit.group_index]["tensor_keys"]}
         for slot in unit.slots:
             state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard, device)
@@ -394,14 +398,13 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
     state, loaded = {}, []
     for unit in opt.units:
-        master = opt.masters[unit.index]
+        master, current = opt.placement.tensors(unit)  # mapped onto swap files for NVMe
         in_place = opt.policy.shards_optimizer  # masters and state are this rank's shard itself
         # Read straight into the fp32 master and existing state (files were checked above);
         # stage 0 reads its shard aside and all-gathers it in _install.
-        shard = master.data if in_place else torch.zeros(unit.shard_numel, device=master.device)
+        shard = master if in_place else torch.zeros(unit.shard_numel, device=master.device)
         tensors = {"model": shard}
         if with_optim:
-            current = opt.optimizer.state.get(master, {})
             for key in groups[unit.group_index]["tensor_keys"]:
                 existing = current.get(key)
                 tensors[key] = existing if in_place and torch.is_tensor(existing) and \
@@ -435,7 +438,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
             opt.policy.reshard_all()  # a gathered stage-3 unit would be stale
         for unit, tensors in loaded:
             _install(opt, unit, tensors, groups[unit.group_index] if with_optim else None)
+        opt.placement.flush()
         opt.policy.gather_params()
+        opt.broken = None  # every master, state and parameter shard was rewritten
     if not load_module_only:
         _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim)
     client_state = _safe_torch_load(os.path.join(path, CLIENT))
@@ -468,27 +473,23 @@ def _full(opt, unit, shard: torch.Tensor) -> torch.Tensor:
 
 def _install(opt, unit, tensors: dict, group_meta: dict | None) -> None:
     """Put loaded shards into the master, the compute-dtype parameters and the optimizer state."""
-    master = opt.masters[unit.index]
     values = _full(opt, unit, tensors["model"])
-    if values.data_ptr() != master.data_ptr():
-        master.data.copy_(values)
-    owned = opt.policy.owned_param(unit)
-    if owned.data_ptr() != master.data_ptr():
-        owned.copy_(master.data)
+    opt.policy.write_owned(unit, values)
     if group_meta is None:
+        opt.placement.install(unit, values, None)
         return
     fresh = {}
     for key in group_meta["tensor_keys"]:
-        fresh[key] = _full(opt, unit, tensors[key]).to(master.dtype)
+        fresh[key] = _full(opt, unit, tensors[key]).float()
     for key, info in group_meta["scalars"].items():
         value = info["value"]
         if info["dtype"] is not None:
             fresh[key] = torch.tensor(value, dtype=getattr(torch, info["dtype"].split(".")[-1]),
-                                      device=master.device)
+                                      device=values.device)
         else:
             fresh[key] = value
-    if fresh:  # in the optimizer's own key order
-        opt.optimizer.state[master] = {k: fresh[k] for k in group_meta["order"] if k in fresh}
+    # In the optimizer's own key order; no state at all (never stepped) stays absent.
+    opt.placement.install(unit, values, {k: fresh[k] for k in group_meta["order"] if k in fresh})
 
 
 def _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim) -> None:

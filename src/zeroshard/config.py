@@ -587,10 +587,7 @@ def require_supported(cfg: ZeroConfig) -> None:
     """Raise NotSupportedYetError for valid settings the engine cannot run yet (edit only here)."""
     zero = cfg.zero_optimization
     opt = zero.offload_optimizer
-    if opt is not None and opt.device in ("cpu", "nvme") and zero.stage > 0:
-        raise NotSupportedYetError(f"not supported yet: optimizer offload to {opt.device} "
-                                   "(zero_optimization.offload_optimizer.device)")
-    par = zero.offload_param
-    if par is not None and par.device in ("cpu", "nvme") and zero.stage == 3:
-        raise NotSupportedYetError(f"not supported yet: parameter offload to {par.device} "
-                                   "(zero_optimization.offload_param.device)")
+    if opt is not None and opt.device in ("cpu", "nvme") and zero.stage > 0 and opt.ratio < 1.0:
+        raise NotSupportedYetError(
+            f"not supported yet: zero_optimization.offload_optimizer.ratio={opt.ratio:g} (partial "
+            "offload); zeroshard offloads the whole optimizer step. Remove ratio (or set it to 1.0)")

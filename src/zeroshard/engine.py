@@ -168,15 +168,16 @@ class Engine(nn.Module):
 
     # -- ledgers -----------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds, by kind (params/grads/optimizer/buffers) and placement."""
+        """Bytes this rank holds, by kind (params/grads/optimizer/buffers) and placement
+        ("device", "cpu" memory offload, "nvme" swap files)."""
         seen: set[int] = set()
         report = {kind: dict.fromkeys(PLACEMENTS, 0) for kind in ("params", "grads", "optimizer", "buffers")}
-        param_tensors = self.optimizer.policy.param_tensors() + \
-            [p.data for p in self.module.parameters()]
-        _tally(report["params"], param_tensors, seen, self.device)
-        _tally(report["grads"], self.optimizer.policy.grad_tensors(), seen, self.device)
-        _tally(report["optimizer"], self.optimizer.state_tensors(), seen, self.device)
-        _tally(report["buffers"], self.optimizer.policy.buffer_tensors(), seen, self.device)
+        for kind, placement, tensors in self.optimizer.ledger():
+            _tally(report[kind], placement, tensors, seen)
+        # What the units do not cover (frozen parameters) is on the device.
+        _tally(report["params"], "device", [p.data for p in self.module.parameters()], seen)
+        for kind, nbytes in self.optimizer.nvme_bytes().items():
+            report[kind]["nvme"] += nbytes
         return report
 
     def comm_report(self) -> dict[str, int]:
@@ -271,15 +272,14 @@ class Engine(nn.Module):
             return getattr(module, name)
 
 
-def _tally(bucket: dict, tensors, seen: set[int], device: torch.device) -> None:
-    """Add each distinct storage's bytes once under its placement."""
+def _tally(bucket: dict, placement: str, tensors, seen: set[int]) -> None:
+    """Add each distinct storage's bytes once under `placement`."""
     for tensor in tensors:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:
             continue
         seen.add(key)
-        placement = "device" if tensor.device.type == device.type else "cpu"
         bucket[placement] += storage.nbytes()
 
 
@@ -361,9 +361,12 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
                              prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
                              max_live_parameters=zero.stage3_max_live_parameters,
                              max_reuse_distance=zero.stage3_max_reuse_distance,
-                             desync_timeout=zero.zeroshard_desync_timeout),
+                             desync_timeout=zero.zeroshard_desync_timeout,
+                             offload_param=zero.offload_param, aio=cfg.aio),
                          persistence_threshold=zero.stage3_param_persistence_threshold,
-                         unit_classes=zero.zeroshard_unit_classes)
+                         unit_classes=zero.zeroshard_unit_classes,
+                         offload_optimizer=zero.offload_optimizer if zero.stage > 0 else None,
+                         aio=cfg.aio)
     if dtype is not None:
         model.to(dtype)  # what the units did not cover: frozen parameters and buffers
     _broadcast_from_rank0(model, zopt, comm)

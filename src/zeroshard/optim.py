@@ -13,6 +13,7 @@ is the same for every stage:
 
 from __future__ import annotations
 
+import errno
 import math
 import warnings
 
@@ -21,6 +22,8 @@ from torch import nn
 
 from .comm import Comm
 from .init import take_full
+from .nvme import NvmeError
+from .offload import make_placement
 from .layout import Unit, build_units
 from .partition import build_stage3_layout
 from .policy import StagePolicy
@@ -73,7 +76,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_numel: int, compute_dtype: torch.dtype | None, clip_norm: float,
                  scaler: LossScaler, overlap_comm: bool = True,
                  stage3: Stage3Options | None = None, persistence_threshold: int = 0,
-                 unit_classes: list[str] | None = None):
+                 unit_classes: list[str] | None = None, offload_optimizer=None, aio=None):
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -85,6 +88,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.step_applied = False
         self.steps = 0
+        #: Set when an NVMe write failed mid-step; cleared by loading a checkpoint.
+        self.broken: str | None = None
 
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
                     for p in group["params"] if p.requires_grad}
@@ -108,7 +113,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self.policy = POLICIES[stage](self.units, comm, overlap_comm, model)
         # Masters are taken before casting so that they keep the full-precision initial values.
-        self.masters = self._make_masters(compute_dtype)
+        self.placement = make_placement(offload_optimizer, aio, optimizer, self.units, self.policy,
+                                        compute_dtype, comm.rank)
+        self.masters = self.placement.masters
         for unit in self.units:
             unit.cast(compute_dtype or unit.dtype)
         self.policy.setup()
@@ -118,16 +125,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 setattr(param, OWNER_ATTR, (self, unit))
 
     # -- construction --------------------------------------------------------------------------
-    def _make_masters(self, compute_dtype: torch.dtype | None) -> list[nn.Parameter]:
-        masters = []
-        for unit in self.units:
-            owned = self.policy.owned_param(unit)
-            # In fp32 the master *is* the owned slice of the parameter buffer: no second copy.
-            in_fp32 = (compute_dtype or unit.dtype) == torch.float32
-            data = owned if in_fp32 else owned.detach().float().clone()
-            masters.append(nn.Parameter(data, requires_grad=True))
-        return masters
-
     def _reseat(self, optimizer: torch.optim.Optimizer) -> None:
         """Point the user's param groups at the master shards (same hyper-parameters, fresh state)."""
         groups = optimizer.param_groups
@@ -147,11 +144,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         slot = next(s for s in unit.slots if s.param is param)
         lo, hi = self.policy.owned_bounds(unit)
         self.policy.commit(unit)
-        owned = self.policy.owned_param(unit)
-        master = self.masters[unit.index]
         start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-        if start < end and master.data_ptr() != owned.data_ptr():
-            master.data[start - lo:end - lo].copy_(owned[start - lo:end - lo])
+        if start < end:
+            owned = self.policy.read_owned(unit)
+            self.placement.update_master(unit, start - lo, end - lo, owned[start - lo:end - lo])
 
     # -- the optimizer interface users see -------------------------------------------------------
     @property
@@ -179,16 +175,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure (LBFGS-style optimizers "
                              "need whole tensors and are not supported)")
+        if self.broken:
+            raise NvmeError(errno.EIO, f"rank {self.comm.rank}: no optimizer step is taken after "
+                            f"an NVMe failure left the state partly updated ({self.broken}); load "
+                            "the last checkpoint (engine.load_checkpoint) to continue")
         self.policy.reduce_gradients()
-        grads = []
-        for unit, master in zip(self.units, self.masters):
-            grad = self.policy.grad_shard(unit)
-            master.grad = grad if grad.dtype == torch.float32 else grad.float()
-            grads.append(master.grad)
-        norm = self._global_norm(grads)
+        grads = [self.policy.grad_shard(unit) for unit in self.units]
+        norm = self._global_norm(self.placement.sq_norm(grads))
         self.steps += 1
         if not math.isfinite(norm):
-            self._drop_grads()
+            self.placement.drop_grads()
             if self.scaler.enabled:
                 self.scaler.update(overflow=True, step=self.steps)
                 self.step_applied = False
@@ -202,33 +198,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         factor = 1.0 / self.scaler.scale
         if self.clip_norm > 0 and norm > self.clip_norm:
             factor *= self.clip_norm / (norm + 1e-6)
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        self.optimizer.step()
-        self._drop_grads()
-        for unit, master in zip(self.units, self.masters):
-            owned = self.policy.owned_param(unit)
-            if master.data_ptr() != owned.data_ptr():
-                owned.copy_(master)
-        self.policy.gather_params()
+        try:
+            self.placement.step(factor)
+            self.policy.gather_params()
+        except NvmeError as err:
+            self.broken = str(err)
+            raise NvmeError(err.errno, f"rank {self.comm.rank}, optimizer step {self.steps}: {err}. "
+                            "The step was only partly applied; load the last checkpoint "
+                            "(engine.load_checkpoint) to continue") from err
         self.scaler.update(overflow=False, step=self.steps)
         self.step_applied = True
         return True
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm of the unscaled gradient over all shards of all ranks."""
-        if not grads:
-            return 0.0
-        # _foreach_norm reduces without materialising squared copies of the shards.
-        local = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().reshape(1)
+    def _global_norm(self, local: torch.Tensor) -> float:
+        """L2 norm of the unscaled gradient over all shards of all ranks, from this rank's sum of
+        squares (float64, shape [1])."""
         if self.policy.shards_optimizer:
             self.comm.all_reduce(local)
         total = local.item()
         return math.sqrt(total) / self.scaler.scale if math.isfinite(total) else math.inf
-
-    def _drop_grads(self) -> None:
-        for master in self.masters:
-            master.grad = None
 
     def _nonfinite_message(self) -> str:
         bad = [u.describe() for u in self.units if not self.policy.unit_grad_is_finite(u)]
@@ -239,16 +227,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "log of 0, too high learning rate) or use fp16 loss scaling / bf16.")
 
     # -- ledger ----------------------------------------------------------------------------------
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Optimizer state tensors (and fp32 masters that are separate copies)."""
-        out = [t for state in self.optimizer.state.values() for t in state.values()
-               if torch.is_tensor(t)]
-        out += [m.data for m in self.masters]
-        return out
+    def ledger(self) -> list[tuple[str, str, list[torch.Tensor]]]:
+        """`(kind, placement, tensors)` for what this rank holds in memory. The memory ledger
+        counts each storage once, under the first entry naming it: offloaded parts come first,
+        then parameters (an fp32 master that is the owned parameter slice counts as a parameter)."""
+        entries = [("optimizer", where, tensors) for where, tensors in self.placement.ledger().items()]
+        entries += [("buffers", where, tensors)
+                    for where, tensors in self.placement.buffer_ledger().items()]
+        entries.append(("buffers", "cpu", self.policy.offload_buffer_tensors()))
+        entries += [("params", where, tensors)
+                    for where, tensors in self.policy.placed_param_tensors().items()]
+        entries += [("grads", "device", self.policy.grad_tensors()),
+                    ("buffers", "device", self.policy.buffer_tensors())]
+        # Device-resident entries after the parameters they may alias.
+        return sorted(entries, key=lambda e: e[1] == "device" and e[0] != "params")
+
+    def nvme_bytes(self) -> dict[str, int]:
+        """Bytes of swap files by kind ("params", "optimizer")."""
+        return {"optimizer": self.placement.nvme_bytes(), "params": self.policy.nvme_bytes()}
 
     def close(self) -> None:
-        """Remove the policy's hooks."""
+        """Remove the policy's hooks, release offload files and threads."""
         self.policy.close()
+        self.placement.close()
         for unit in self.units:
             for param in unit.params():
                 if hasattr(param, OWNER_ATTR):

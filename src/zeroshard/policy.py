@@ -48,12 +48,30 @@ class StagePolicy:
         lo, hi = self.owned_bounds(unit)
         return unit.flat[lo:hi]
 
+    def read_owned(self, unit: Unit) -> torch.Tensor:
+        """The owned compute-dtype slice's current values (a view where it lives in memory)."""
+        return self.owned_param(unit)
+
+    def write_owned(self, unit: Unit, values: torch.Tensor) -> None:
+        """Set the owned compute-dtype slice from fp32 `values` (the updated master)."""
+        owned = self.owned_param(unit)
+        if owned.data_ptr() != values.data_ptr():
+            owned.copy_(values, non_blocking=values.is_pinned())
+
     def commit(self, unit: Unit) -> None:
         """Make the owned slice reflect in-place changes to the full parameters (no-op: a view)."""
 
     def param_tensors(self) -> list[torch.Tensor]:
         """Parameter storage this policy holds now (for the memory ledger)."""
         return [unit.flat for unit in self.units]
+
+    def placed_param_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """`{placement: tensors}` of parameter storage (offloaded stage-3 shards apart)."""
+        return {"device": self.param_tensors()}
+
+    def nvme_bytes(self) -> int:
+        """Bytes of parameter swap files (stage 3 with offload_param nvme)."""
+        return 0
 
     # -- interface the optimizer calls ---------------------------------------------------------
     def setup(self) -> None:
@@ -96,6 +114,10 @@ class StagePolicy:
 
     def buffer_tensors(self) -> list[torch.Tensor]:
         """Communication buffers held between collectives (for the memory ledger)."""
+        return []
+
+    def offload_buffer_tensors(self) -> list[torch.Tensor]:
+        """Staging buffers of offloaded parameters (stage 3; for the memory ledger, on the CPU)."""
         return []
 
     def unit_grad_is_finite(self, unit: Unit) -> bool:

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from .comm import Comm
 from .desync import OrderGuard
 from .layout import StoragePool, Unit
+from .offload_param import ShardStore, make_store
 from .partition import Stage3Layout
 from .schedule import Schedule
 from .stage2 import Stage2
@@ -52,6 +53,10 @@ class Stage3Options:
     """Keep a unit gathered if it is needed again within this many elements of other units."""
     desync_timeout: float = 300.0
     """Seconds a rank waits for its peers before a stage-3 collective; 0 disables the check."""
+    offload_param: object = None
+    """The `offload_param` config block (None: shards stay on the device)."""
+    aio: object = None
+    """The `aio` config block (NVMe I/O settings)."""
 
 
 class Stage3(Stage2):
@@ -82,6 +87,7 @@ class Stage3(Stage2):
         self.pinned: dict[int, int] = {}  # unit index -> GatheredParameters contexts holding it
         self.live_numel = 0
         self.peak_live_numel = 0
+        self.store = ShardStore([u for u in units if u.index in self.sharded])
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -90,14 +96,42 @@ class Stage3(Stage2):
             return unit.shard
         return super().owned_param(unit)
 
+    def read_owned(self, unit: Unit) -> torch.Tensor:
+        """The owned slice's values, from wherever the shard is placed."""
+        if unit.index in self.sharded:
+            return self.store.read(unit)
+        return super().read_owned(unit)
+
+    def write_owned(self, unit: Unit, values: torch.Tensor) -> None:
+        """Set the owned slice (the shard, wherever it is placed) from `values`."""
+        if unit.index in self.sharded:
+            self.store.write(unit, values)
+        else:
+            super().write_owned(unit, values)
+
     def param_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: shards, plus full buffers of gathered units."""
         return [u.shard if u.index in self.sharded else u.flat for u in self.units] + \
             [u.flat for u in self.units if u.index in self.sharded and u.is_gathered]
 
+    def placed_param_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Offloaded shards under their placement; persistent and gathered units on the device."""
+        placed = {self.store.name: self.store.tensors()}
+        device = [u.flat for u in self.units if u.index not in self.sharded or u.is_gathered]
+        placed.setdefault("device", []).extend(device)
+        return placed
+
+    def nvme_bytes(self) -> int:
+        """Bytes of parameter swap files."""
+        return self.store.nvme_bytes()
+
     def buffer_tensors(self) -> list[torch.Tensor]:
         """Gradient buffers (as stage 2) plus spare gathered-unit memory kept in the pool."""
         return super().buffer_tensors() + (self.gathered_pool.tensors() if self.gathered_pool else [])
+
+    def offload_buffer_tensors(self) -> list[torch.Tensor]:
+        """Staging buffers of the parameter store (CPU memory)."""
+        return self.store.buffers()
 
     # -- unshard / reshard -----------------------------------------------------------------------
     def _issue(self, unit: Unit) -> None:
@@ -108,7 +142,8 @@ class Stage3(Stage2):
         flat = unit.allocate(self.gathered_pool)
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
-        self.pending[unit.index] = self.comm.all_gather(flat, unit.shard, async_op=True)
+        handle = self.comm.all_gather(flat, self.store.source(unit), async_op=True)
+        self.pending[unit.index] = _Gather(handle, self.store, unit)
 
     def unshard(self, indices) -> None:
         """Make the listed sharded units whole on this rank (waits for them)."""
@@ -144,14 +179,18 @@ class Stage3(Stage2):
                 continue
             if unit.padded_numel > budget or \
                     self.live_numel + unit.padded_numel > self.options.max_live_parameters:
-                return
+                break
             self._issue(unit)
             budget -= unit.padded_numel
+        self.store.read_ahead(self.schedule.upcoming())
 
     # -- forward -----------------------------------------------------------------------------------
     def setup(self) -> None:
         """Stage-2 gradient machinery plus gather/release hooks on every unit module."""
         super().setup()
+        # Shards move to their placement now that they are in the compute dtype.
+        self.store = make_store(self.options.offload_param, self.options.aio,
+                                [u for u in self.units if u.index in self.sharded], self.comm.rank)
         for module in self.layout.modules:
             needs = self.layout.needs[id(module)]
             is_root = module is self.module
@@ -230,6 +269,7 @@ class Stage3(Stage2):
 
     def gather_params(self) -> None:
         """All-gather the persistent units (and pinned ones); the rest wait for their next use."""
+        self.store.flush()  # updated shards written back (NVMe) before anyone reads them
         for index in sorted(self.layout.persistent):
             unit = self.by_index[index]
             lo, hi = unit.shard_bounds(self.comm.rank)
@@ -238,7 +278,8 @@ class Stage3(Stage2):
             # A model gathered for inference (GatheredParameters) sees the updated weights.
             unit = self.by_index[index]
             self.guard.check("gather", index)
-            self.comm.all_gather(unit.flat, unit.shard)
+            self.comm.all_gather(unit.flat, self.store.source(unit))
+            self.store.done(unit)
 
     def pin(self, indices) -> None:
         """Gather the listed units and keep them gathered until `unpin` (GatheredParameters)."""
@@ -257,14 +298,33 @@ class Stage3(Stage2):
     def commit(self, unit: Unit) -> None:
         """Copy this rank's slice of a gathered unit's (changed) full buffer into its shard."""
         if unit.index in self.sharded and unit.is_gathered:
-            unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(self.comm.rank))])
+            self.store.write(unit, unit.flat[slice(*unit.shard_bounds(self.comm.rank))])
+            self.store.flush()
 
     def close(self) -> None:
         """Remove hooks and leave every unit gathered, so the module works on its own again."""
         super().close()
         for index in sorted(self.sharded):
             self.pinned.pop(index, None)
-        self.unshard(sorted(self.sharded))
+        try:
+            self.unshard(sorted(self.sharded))
+        finally:
+            self.store.close()
+
+
+class _Gather:
+    """An in-flight all-gather whose source buffer goes back to the store when it completes."""
+
+    def __init__(self, handle, store: ShardStore, unit: Unit):
+        self.handle, self.store, self.unit = handle, store, unit
+
+    def wait(self) -> None:
+        """Wait for the gather, then release its source."""
+        try:
+            if self.handle is not None:
+                self.handle.wait()
+        finally:
+            self.store.done(self.unit)
 
 
 def _in_backward() -> bool:

@@ -1,0 +1,402 @@
+"""Where the fp32 master shards and the optimizer state live: the device, CPU memory (ZeRO-Offload)
+or NVMe files (ZeRO-Infinity).
+
+Offload is a placement, not a layout: every unit still has one fp32 master for the slice this
+rank owns and one optimizer state tensor per kind (exp_avg, exp_avg_sq, ...) of the same length.
+
+Step plan, after the policy has averaged the gradients:
+  device: the master is the owned slice itself in fp32 (no copy) or an fp32 copy beside it; the
+    torch optimizer steps all masters at once (fused CPU kernel where torch has one); each master
+    is copied back into the compute-dtype owned slice.
+  cpu: the same, with masters and state in CPU memory (pinned on CUDA when `pin_memory`): each
+    unit's gradient shard is copied to CPU in fp32 (non-blocking into pinned buffers on CUDA), the
+    step runs on the CPU with `cores / local ranks` threads, and the updated master goes back to
+    the device in the compute dtype.
+  nvme: masters and state live in swap files (`nvme.py`); the step goes unit by unit through a
+    bounded pool of staging buffers: read unit i+1's master and state (`pipeline_read`) while
+    stepping unit i, while unit i-1 is written back (`pipeline_write`). A failed write leaves the
+    step partly applied on disk: the optimizer then refuses further steps until a checkpoint is
+    loaded (which rewrites every swap file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from .layout import ALIGN, Unit
+from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
+
+PLACEMENT_NAMES = ("device", "cpu", "nvme")
+
+
+class Placement:
+    """Masters and optimizer state held in memory (on the compute device or on the CPU)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], policy,
+                 compute_dtype: torch.dtype | None, where: str = "device", pin: bool = False):
+        self.optimizer = optimizer
+        self.units = units
+        self.policy = policy
+        self.name = where
+        self.device = torch.device("cpu") if where != "device" else None
+        self.pin = pin and where != "device" and torch.cuda.is_available()
+        self.masters = [self._master(unit, compute_dtype) for unit in units]
+        on_cuda = any(u.flat.device.type == "cuda" for u in units)
+        # Pinned fp32 landing buffers make the gradient copy to the CPU asynchronous.
+        self.grad_buffers = [torch.empty(m.numel(), pin_memory=True) for m in self.masters] \
+            if self.pin and on_cuda else None
+        self.threads = _offload_threads() if where != "device" and on_cuda else None
+
+    def _master(self, unit: Unit, compute_dtype: torch.dtype | None) -> nn.Parameter:
+        owned = self.policy.read_owned(unit).detach()
+        in_fp32 = (compute_dtype or unit.dtype) == torch.float32
+        if self.device is None and in_fp32:
+            return nn.Parameter(owned, requires_grad=True)  # the master *is* the owned slice
+        device = self.device or owned.device
+        data = torch.empty(owned.numel(), dtype=torch.float32, device=device,
+                           pin_memory=self.pin)
+        data.copy_(owned)
+        return nn.Parameter(data, requires_grad=True)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Attach fp32 gradients to the masters; return the local sum of their squares (float64)."""
+        fp32 = []
+        for i, (master, grad) in enumerate(zip(self.masters, grads)):
+            if self.grad_buffers is not None:
+                g = self.grad_buffers[i].copy_(grad, non_blocking=True)
+            elif grad.device == master.device and grad.dtype == torch.float32:
+                g = grad
+            else:
+                g = grad.to(master.device, torch.float32)
+            master.grad = g
+            fp32.append(g)
+        if self.grad_buffers is not None:
+            torch.cuda.synchronize()
+        if not fp32:
+            return torch.zeros(1, dtype=torch.float64)
+        # _foreach_norm reduces without materialising squared copies of the shards.
+        return torch.stack(torch._foreach_norm(fp32)).double().pow(2).sum().reshape(1)
+
+    def step(self, factor: float) -> None:
+        """Scale the attached gradients by `factor`, step, and write masters back to the params."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        with _num_threads(self.threads):
+            self.optimizer.step()
+        self.drop_grads()
+        for unit, master in zip(self.units, self.masters):
+            self.policy.write_owned(unit, master.data)
+
+    def drop_grads(self) -> None:
+        """Detach gradients from the masters (after a step, or when it is skipped)."""
+        for master in self.masters:
+            master.grad = None
+
+    # -- checkpoints and in-place edits --------------------------------------------------------------
+    def tensors(self, unit: Unit) -> tuple[torch.Tensor, dict]:
+        """The unit's master and its optimizer state (tensors and scalars), readable and writable."""
+        master = self.masters[unit.index]
+        return master.data, dict(self.optimizer.state.get(master, {}))
+
+    def install(self, unit: Unit, values: torch.Tensor, state: dict | None) -> None:
+        """Set the unit's master to `values` and, unless None, its state to `state`."""
+        master = self.masters[unit.index]
+        if values.data_ptr() != master.data_ptr():
+            master.data.copy_(values)
+        if state:
+            self.optimizer.state[master] = {
+                k: v.to(master.device) if torch.is_tensor(v) and v.dim() else v
+                for k, v in state.items()}
+
+    def update_master(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Overwrite elements `[lo, hi)` of the unit's master."""
+        master = self.masters[unit.index]
+        if master.data_ptr() != values.data_ptr():
+            master.data[lo:hi].copy_(values)
+
+    def flush(self) -> None:
+        """Make writes through `tensors()` durable (NVMe only)."""
+
+    # -- ledger --------------------------------------------------------------------------------------
+    def ledger(self) -> dict[str, list]:
+        """`{placement: [tensors]}` of optimizer bytes held in memory."""
+        out = [t for state in self.optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t)]
+        return {self.name: out + [m.data for m in self.masters]}
+
+    def nvme_bytes(self) -> int:
+        """Bytes of swap files (NVMe only)."""
+        return 0
+
+    def buffer_ledger(self) -> dict[str, list]:
+        """`{placement: [tensors]}` of staging buffers."""
+        return {"cpu": list(self.grad_buffers or [])}
+
+    def close(self) -> None:
+        """Release files and threads (NVMe only)."""
+
+
+class NvmePlacement(Placement):
+    """Masters and optimizer state in swap files, stepped unit by unit through staging buffers."""
+
+    def __init__(self, optimizer, units, policy, compute_dtype, spec, aio, rank: int):
+        self.optimizer = optimizer
+        self.units = units
+        self.policy = policy
+        self.name = "nvme"
+        self.device = torch.device("cpu")
+        self.threads = _offload_threads() if any(u.flat.device.type == "cuda" for u in units) \
+            else None
+        self.grad_buffers = None
+        self.grads = None
+        self.pipeline_read = bool(spec.pipeline_read)
+        self.pipeline_write = bool(spec.pipeline_write)
+        self.kinds = {g: _state_kinds(optimizer, g) for g in range(len(optimizer.param_groups))}
+        self.present: dict[int, list[str]] = {u.index: [] for u in units}  # kinds written so far
+        self.swap = SwapDir(spec.nvme_path, rank, "optimizer", "zero_optimization.offload_optimizer")
+        shard_bytes = {u.index: u.shard_numel * 4 for u in units}
+        self.swap.require_space(sum(round_up(shard_bytes[u.index]) * (1 + len(self.kinds[u.group_index]))
+                                    for u in units))
+        per_unit = 1 + max([len(k) for k in self.kinds.values()] or [0])
+        sets = 1 + self.pipeline_read + self.pipeline_write
+        self.pool = BufferPool(max(shard_bytes.values() or [ALIGN * 4]),
+                               max(spec.buffer_count, per_unit * sets), pin=spec.pin_memory)
+        self.io = AsyncIO(threads=max(aio.thread_count, aio.intra_op_parallelism) * aio.queue_depth,
+                          block_size=aio.block_size)
+        self.placeholder = torch.empty(0)
+        self.masters = []
+        for unit in units:
+            for kind in ["master"] + self.kinds[unit.group_index]:
+                self.swap.create(_name(unit, kind), shard_bytes[unit.index])
+            buffer = self.pool.take()
+            data = buffer.view(torch.float32)[:unit.shard_numel]
+            data.copy_(self.policy.read_owned(unit))
+            self.io.write(self.swap, _name(unit, "master"), buffer).wait()
+            self.pool.give(buffer)
+            self.masters.append(nn.Parameter(self.placeholder, requires_grad=True))
+
+    def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of the gradients, one unit at a time (no fp32 copy of all of them)."""
+        self.grads = grads
+        total = torch.zeros(1, dtype=torch.float64)
+        for grad in grads:
+            if grad.numel():
+                total += torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
+        return total
+
+    def step(self, factor: float) -> None:
+        """Read, step and write back one unit at a time, overlapping I/O with the step."""
+        units = [u for u in self.units if u.shard_numel]
+        ahead = 1 if self.pipeline_read else 0
+        reads: dict[int, tuple[list, dict]] = {}
+        writes = []
+        try:
+            for i, unit in enumerate(units):
+                for nxt in units[i:i + 1 + ahead]:
+                    if nxt.index not in reads:
+                        reads[nxt.index] = self._start_read(nxt)
+                requests, buffers = reads.pop(unit.index)
+                for request in requests:
+                    request.wait()
+                self._step_unit(unit, buffers, factor)
+                writes.extend(self._start_write(unit, buffers))
+                if not self.pipeline_write:
+                    _wait_all(writes)
+                    writes.clear()
+            _wait_all(writes)
+        except NvmeError:
+            self._abandon(reads, writes)
+            raise
+        finally:
+            self.grads = None
+
+    def _start_read(self, unit: Unit):
+        buffers = {kind: self.pool.take() for kind in ["master"] + self.present[unit.index]}
+        requests = [self.io.read(self.swap, _name(unit, kind), buf) for kind, buf in buffers.items()]
+        return requests, buffers
+
+    def _step_unit(self, unit: Unit, buffers: dict, factor: float) -> None:
+        master = self.masters[unit.index]
+        n = unit.shard_numel
+        master.data = buffers["master"].view(torch.float32)[:n]
+        state = self.optimizer.state.get(master)
+        for kind in self.present[unit.index]:
+            state[kind] = buffers[kind].view(torch.float32)[:n]
+        grad = self.grads[unit.index]
+        master.grad = grad.to(torch.float32, copy=True) if grad.dtype != torch.float32 or \
+            factor != 1.0 else grad
+        if factor != 1.0:
+            master.grad.mul_(factor)
+        group = self.optimizer.param_groups[unit.group_index]
+        saved = self.optimizer.param_groups
+        self.optimizer.param_groups = [dict(group, params=[master])]
+        try:
+            with _num_threads(self.threads):
+                self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = saved
+            master.grad = None
+        self.policy.write_owned(unit, master.data)
+        # The first step created the state tensors: move them into staging buffers.
+        state = self.optimizer.state[master]
+        for kind in self.kinds[unit.group_index]:
+            if kind not in buffers:
+                buffer = self.pool.take()
+                buffer.view(torch.float32)[:n].copy_(state[kind])
+                buffers[kind] = buffer
+                self.present[unit.index].append(kind)
+
+    def _start_write(self, unit: Unit, buffers: dict) -> list:
+        master = self.masters[unit.index]
+        master.data = self.placeholder
+        state = self.optimizer.state[master]
+        for kind in buffers:
+            if kind != "master":
+                state[kind] = self.placeholder
+        return [self.io.write(self.swap, _name(unit, kind), buf,
+                              on_done=lambda b=buf: self.pool.give(b))
+                for kind, buf in buffers.items()]
+
+    def _abandon(self, reads: dict, writes: list) -> None:
+        """After a failure: finish what is in flight and return every buffer to the pool."""
+        for requests, buffers in reads.values():
+            for request in requests:
+                with contextlib.suppress(NvmeError):
+                    request.wait()
+            for buf in buffers.values():
+                self.pool.give(buf)
+        for request in writes:
+            with contextlib.suppress(NvmeError):
+                request.wait()
+        for master in self.masters:
+            master.grad = None
+            if master.data.numel():
+                master.data = self.placeholder
+
+    def drop_grads(self) -> None:
+        """Nothing is attached between steps."""
+        self.grads = None
+
+    # -- checkpoints and in-place edits --------------------------------------------------------------
+    def tensors(self, unit: Unit) -> tuple[torch.Tensor, dict]:
+        """Master and state as tensors mapped onto the swap files (writes reach the files)."""
+        n = unit.shard_numel
+        master = self.masters[unit.index]
+        state = dict(self.optimizer.state.get(master, {}))
+        for kind in self.present[unit.index]:
+            state[kind] = self.swap.mapped(_name(unit, kind), n, torch.float32)
+        return self.swap.mapped(_name(unit, "master"), n, torch.float32), state
+
+    def install(self, unit: Unit, values: torch.Tensor, state: dict | None) -> None:
+        """Write `values` (and `state`'s tensors) into the swap files; scalars stay in memory."""
+        master, current = self.tensors(unit)
+        if values.data_ptr() != master.data_ptr():
+            master.copy_(values)
+        if state is None:
+            return
+        kept = {}
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() and key in self.kinds[unit.group_index]:
+                target = current.get(key) if key in self.present[unit.index] else None
+                if target is None:
+                    target = self.swap.mapped(_name(unit, key), unit.shard_numel, torch.float32)
+                    self.present[unit.index].append(key)
+                if target.data_ptr() != value.data_ptr():
+                    target.copy_(value)
+                kept[key] = self.placeholder
+            else:
+                kept[key] = value
+        self.optimizer.state[self.masters[unit.index]] = kept
+
+    def update_master(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Overwrite elements `[lo, hi)` of the unit's master on disk."""
+        master, _ = self.tensors(unit)
+        master[lo:hi].copy_(values)
+        self.flush()
+
+    def flush(self) -> None:
+        """fsync the swap files after writes through mapped views."""
+        self.swap.sync()
+
+    # -- ledger --------------------------------------------------------------------------------------
+    def ledger(self) -> dict[str, list]:
+        """Nothing of the optimizer stays in memory between steps except scalars."""
+        return {"nvme": []}
+
+    def nvme_bytes(self) -> int:
+        """Bytes of this rank's optimizer swap files."""
+        return self.swap.nbytes()
+
+    def buffer_ledger(self) -> dict[str, list]:
+        """The staging pool (all of it is allocated for the whole run)."""
+        return {"cpu": [b for b in self.pool.tensors()]}
+
+    def close(self) -> None:
+        """Stop the I/O threads and delete the swap files."""
+        self.io.close()
+        self.swap.close()
+
+
+def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int) -> Placement:
+    """The placement `offload_optimizer` asks for (`spec` None or device "none": the device)."""
+    device = spec.device if spec is not None else "none"
+    if device == "nvme":
+        return NvmePlacement(optimizer, units, policy, compute_dtype, spec, aio, rank)
+    if device == "cpu":
+        return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory)
+    return Placement(optimizer, units, policy, compute_dtype)
+
+
+def _name(unit: Unit, kind: str) -> str:
+    return f"u{unit.index}-{kind}"
+
+
+def _wait_all(requests) -> None:
+    error = None
+    for request in requests:
+        try:
+            request.wait()
+        except NvmeError as err:
+            error = error or err
+    if error is not None:
+        raise error
+
+
+def _state_kinds(optimizer: torch.optim.Optimizer, group_index: int) -> list[str]:
+    """Names of the shard-sized state tensors `optimizer` keeps for a parameter of this group,
+    found by stepping a 16-element probe parameter once with a zero gradient."""
+    probe = nn.Parameter(torch.zeros(ALIGN))
+    probe.grad = torch.zeros_like(probe)
+    saved = optimizer.param_groups
+    optimizer.param_groups = [dict(saved[group_index], params=[probe])]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = saved
+    state = optimizer.state.pop(probe, {})
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == probe.shape]
+
+
+def _offload_threads() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, (os.cpu_count() or 1) // max(1, local))
+
+
+@contextlib.contextmanager
+def _num_threads(threads: int | None):
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+

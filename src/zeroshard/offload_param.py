@@ -1,0 +1,247 @@
+"""Where stage-3 parameter shards live between gathers: the device, CPU memory or NVMe files.
+
+Only sharded units are placed (persistent small parameters stay whole on the device). The stage-3
+policy asks its store for:
+  source(unit)  a device tensor holding the unit's shard, to all-gather from; `done(unit)` once
+                that gather has completed. CPU: the shard is copied to the device just before the
+                gather (non-blocking from pinned memory on CUDA). NVMe: the shard is read from its
+                swap file into a staging buffer (waiting for a read-ahead if one was started).
+  read_ahead()  start reading the next units of the recorded order into free staging buffers
+                (NVMe; keeps one buffer free for reads nobody predicted).
+  read / write  the shard's values (optimizer masters at construction, commits of in-place edits,
+                the updated master after each step; NVMe writes are asynchronous and `flush()`
+                waits for them, which the policy does before the parameters are used again).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import Unit
+from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, aligned_buffer, round_up
+
+
+class ShardStore:
+    """Shards stay where stage 3 put them (on the device)."""
+
+    name = "device"
+
+    def __init__(self, units: list[Unit] = ()):
+        self.units = {u.index: u for u in units}
+
+    def source(self, unit: Unit) -> torch.Tensor:
+        """The unit's shard on the compute device, valid until `done(unit)`."""
+        return unit.shard
+
+    def done(self, unit: Unit) -> None:
+        """The gather from `source(unit)` has completed."""
+
+    def read_ahead(self, indices) -> None:
+        """Start fetching the shards of upcoming units (NVMe only)."""
+
+    def read(self, unit: Unit) -> torch.Tensor:
+        """The shard's current values (compute dtype)."""
+        return unit.shard
+
+    def write(self, unit: Unit, values: torch.Tensor) -> None:
+        """Set the shard from `values` (any dtype, cast)."""
+        if unit.shard.data_ptr() != values.data_ptr():
+            unit.shard.copy_(values, non_blocking=values.is_pinned())
+
+    def flush(self) -> None:
+        """Wait for writes in flight; raise NvmeError if one failed."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Shards held in memory (for the ledger, under `name`)."""
+        return [u.shard for u in self.units.values()]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Staging memory (for the ledger, "buffers" on the CPU)."""
+        return []
+
+    def nvme_bytes(self) -> int:
+        """Bytes of swap files."""
+        return 0
+
+    def close(self) -> None:
+        """Release files and threads."""
+
+
+class CpuShardStore(ShardStore):
+    """Shards in CPU memory (pinned on CUDA), copied to the device just before each gather."""
+
+    name = "cpu"
+
+    def __init__(self, units: list[Unit], pin: bool):
+        super().__init__(units)
+        self.staged: dict[int, torch.Tensor] = {}
+        pin = pin and torch.cuda.is_available()
+        for unit in units:
+            if unit.shard.device.type != "cpu" or pin:
+                host = torch.empty(unit.shard.numel(), dtype=unit.shard.dtype, pin_memory=pin)
+                unit.shard = host.copy_(unit.shard)
+
+    def source(self, unit: Unit) -> torch.Tensor:
+        """The shard copied to the unit's device (the shard itself when that is the CPU)."""
+        if unit.flat.device.type == "cpu":
+            return unit.shard
+        staged = unit.shard.to(unit.flat.device, non_blocking=unit.shard.is_pinned())
+        self.staged[unit.index] = staged
+        return staged
+
+    def done(self, unit: Unit) -> None:
+        """Drop the device copy."""
+        self.staged.pop(unit.index, None)
+
+
+class NvmeShardStore(ShardStore):
+    """Shards in swap files, read into a bounded pool of staging buffers in the recorded order."""
+
+    name = "nvme"
+
+    def __init__(self, units: list[Unit], spec, aio, rank: int):
+        super().__init__(units)
+        self.swap = SwapDir(spec.nvme_path, rank, "param", "zero_optimization.offload_param")
+        nbytes = {u.index: u.shard.numel() * u.shard.element_size() for u in units}
+        self.swap.require_space(sum(round_up(b) for b in nbytes.values()))
+        self.pool = BufferPool(max(nbytes.values() or [1]), max(2, spec.buffer_count),
+                               pin=spec.pin_memory)
+        self.io = AsyncIO(threads=max(aio.thread_count, aio.intra_op_parallelism) * aio.queue_depth,
+                          block_size=aio.block_size)
+        self.reads: dict[int, tuple] = {}  # unit index -> (request, buffer): started reads
+        self.held: dict[int, tuple] = {}  # unit index -> (buffer, pooled): sources being gathered
+        self.writes: dict[int, list] = {}  # unit index -> write requests in flight
+        for unit in units:
+            self.swap.create(self._file(unit), nbytes[unit.index])
+            buffer = self.pool.take()
+            _typed(buffer, unit).copy_(unit.shard)
+            self.io.write(self.swap, self._file(unit), buffer).wait()
+            self.pool.give(buffer)
+            unit.shard = torch.empty(0, dtype=unit.shard.dtype, device=unit.flat.device)  # on disk now
+
+    @staticmethod
+    def _file(unit: Unit) -> str:
+        return f"u{unit.index}"
+
+    def _start_read(self, unit: Unit, buffer: torch.Tensor):
+        self._wait_writes(unit.index)
+        return self.io.read(self.swap, self._file(unit), buffer), buffer
+
+    def _wait_writes(self, index: int) -> None:
+        for request in self.writes.pop(index, []):
+            request.wait()
+
+    def read_ahead(self, indices) -> None:
+        """Start reading upcoming units while more than one buffer is free."""
+        for index in indices:
+            if len(self.pool.free) <= 1:
+                return
+            unit = self.units.get(index)
+            if unit is None or index in self.reads or index in self.held or unit.is_gathered:
+                continue
+            self.reads[index] = self._start_read(unit, self.pool.take())
+
+    def _buffer(self) -> tuple[torch.Tensor, bool]:
+        """A staging buffer: a free one, one taken back from a read-ahead, or (when every
+        buffer feeds a gather in flight) a temporary one outside the pool."""
+        if not self.pool.free and self.reads:
+            index = next(iter(self.reads))
+            request, buffer = self.reads.pop(index)
+            request.wait()
+            return buffer, True
+        if self.pool.free or self.pool.count > len(self.held):
+            return self.pool.take(), True
+        return aligned_buffer(self.pool.nbytes), False
+
+    def source(self, unit: Unit) -> torch.Tensor:
+        """The shard read from disk (into a staging buffer, then to the device if not the CPU)."""
+        started = self.reads.pop(unit.index, None)
+        if started is None:
+            buffer, pooled = self._buffer()
+            started = self._start_read(unit, buffer)
+        else:
+            pooled = True
+        request, buffer = started
+        request.wait()
+        self.held[unit.index] = (buffer, pooled)
+        shard = _typed(buffer, unit)
+        if unit.flat.device.type != "cpu":
+            shard = shard.to(unit.flat.device, non_blocking=buffer.is_pinned())
+        return shard
+
+    def done(self, unit: Unit) -> None:
+        """Give the staging buffer back."""
+        held = self.held.pop(unit.index, None)
+        if held is not None and held[1]:
+            self.pool.give(held[0])
+
+    def read(self, unit: Unit) -> torch.Tensor:
+        """A fresh copy of the shard from disk."""
+        buffer, pooled = self._buffer()
+        request, _ = self._start_read(unit, buffer)
+        try:
+            request.wait()
+            return _typed(buffer, unit).clone()
+        finally:
+            if pooled:
+                self.pool.give(buffer)
+
+    def write(self, unit: Unit, values: torch.Tensor) -> None:
+        """Cast `values` into a staging buffer and start writing it (any read-ahead is dropped)."""
+        stale = self.reads.pop(unit.index, None)
+        if stale is not None:
+            stale[0].wait()
+            self.pool.give(stale[1])
+        self._wait_writes(unit.index)
+        buffer = self.pool.take()
+        _typed(buffer, unit).copy_(values)
+        self.writes.setdefault(unit.index, []).append(
+            self.io.write(self.swap, self._file(unit), buffer,
+                          on_done=lambda b=buffer: self.pool.give(b)))
+
+    def flush(self) -> None:
+        """Wait for every write; raise the first failure."""
+        error = None
+        for index in list(self.writes):
+            try:
+                self._wait_writes(index)
+            except NvmeError as err:
+                error = error or err
+        if error is not None:
+            raise error
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Nothing is kept in memory."""
+        return []
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The staging pool."""
+        return self.pool.tensors() + [b for b, _ in self.held.values()] + \
+            [b for _, b in self.reads.values()]
+
+    def nvme_bytes(self) -> int:
+        """Bytes of this rank's parameter swap files."""
+        return self.swap.nbytes()
+
+    def close(self) -> None:
+        """Finish writes, stop threads, delete the swap files."""
+        try:
+            self.flush()
+        finally:
+            self.io.close()
+            self.swap.close()
+
+
+def _typed(buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
+    """The first shard-sized elements of a uint8 staging buffer, in the unit's dtype."""
+    return buffer.view(unit.dtype)[:unit.shard_numel]
+
+
+def make_store(spec, aio, units: list[Unit], rank: int) -> ShardStore:
+    """The store `offload_param` asks for (None or device "none": the device)."""
+    device = spec.device if spec is not None else "none"
+    if device == "nvme":
+        return NvmeShardStore(units, spec, aio, rank)
+    if device == "cpu":
+        return CpuShardStore(units, spec.pin_memory)
+    return ShardStore(units)

@@ -91,11 +91,11 @@ def test_script_shorthand_passes_declared_local_rank(tmp_path):
 def _parse_demo_table(stdout: str) -> dict[str, dict[str, float]]:
     rows = {}
     number = r"[ \t]+([0-9.]+)"
-    pattern = re.compile(r"^(\S+)" + number * 6 + r"[ \t]+[0-9.]+x", re.MULTILINE)
+    pattern = re.compile(r"^(\S+)" + number * 7 + r"[ \t]+[0-9.]+x", re.MULTILINE)
     for m in pattern.finditer(stdout):
-        loss, ms, params, grads, optim, total = map(float, m.groups()[1:7])
+        loss, ms, params, grads, optim, total, device = map(float, m.groups()[1:8])
         rows[m.group(1)] = dict(loss=loss, ms=ms, params=params, grads=grads, optim=optim,
-                                total=total)
+                                total=total, device=device)
     return rows
 
 
@@ -105,11 +105,16 @@ def test_demo_end_to_end():
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
     rows = _parse_demo_table(out)
-    assert set(rows) == {"0", "1", "2", "3"}, out
+    assert set(rows) == {"0", "1", "2", "3", "2+cpu", "3+nvme"}, out
     assert rows["1"]["optim"] < rows["0"]["optim"]
     assert rows["2"]["grads"] < rows["1"]["grads"]
     assert rows["3"]["params"] < rows["2"]["params"]
     assert rows["3"]["total"] < rows["2"]["total"] < rows["1"]["total"] < rows["0"]["total"]
+    for name in "0123":  # without offload everything is on the device
+        assert rows[name]["device"] == rows[name]["total"]
+    # Offload keeps the model states but moves them off the device.
+    assert rows["2+cpu"]["device"] == pytest.approx(rows["2"]["device"] - rows["2"]["optim"], abs=0.002)
+    assert rows["3+nvme"]["device"] == pytest.approx(rows["3"]["grads"], abs=0.002)
     agree = [line for line in out.splitlines() if line.startswith("losses ")]
     assert len(agree) == 1 and agree[0].startswith("losses agree"), out
     assert "2 ranks" in out.splitlines()[0] or torch.cuda.is_available()

@@ -16,9 +16,11 @@ import argparse
 import gc
 import math
 import os
+import shutil
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +38,15 @@ VARIANTS: dict[str, dict] = {
     # Every parameter sharded (the default threshold, 1e5 elements, would keep this small model's
     # parameters whole); nothing kept gathered between uses, so the table shows 1/N parameters.
     "3": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0},
+    # ZeRO-Offload: fp32 masters and Adam state in CPU memory, stepped there.
+    "2+cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    # ZeRO-Infinity: parameter shards, masters and Adam state in swap files (a temporary directory).
+    "3+nvme": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+               "offload_optimizer": {"device": "nvme", "nvme_path": "", "pipeline_read": True,
+                                     "pipeline_write": True},
+               "offload_param": {"device": "nvme", "nvme_path": ""}},
 }
-DEFAULT_STAGES = "0,1,2,3"
+DEFAULT_STAGES = "0,1,2,3,2+cpu,3+nvme"
 DEFAULT_STEPS = 30
 LOSS_TOLERANCE = 1e-5  # fp32: every variant does the same arithmetic up to summation order
 CORPUS_CHARS = 200_000
@@ -192,10 +201,11 @@ class VariantResult:
     losses: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
+    on_device: int = 0
 
     @property
     def model_states(self) -> int:
-        """Parameters + gradients + optimizer state, in bytes."""
+        """Parameters + gradients + optimizer state, in bytes, wherever they are."""
         return sum(self.memory.get(k, 0) for k in ("params", "grads", "optimizer"))
 
 
@@ -203,6 +213,11 @@ def _held_bytes(report: dict) -> dict[str, int]:
     """Bytes per kind, summed over placements (device / cpu / nvme)."""
     return {kind: int(sum(by_place.values())) for kind, by_place in report.items()
             if isinstance(by_place, dict)}
+
+
+def _device_bytes(report: dict) -> int:
+    """Model-state bytes on the compute device (what offload moves away)."""
+    return sum(report[k]["device"] for k in ("params", "grads", "optimizer"))
 
 
 def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
@@ -214,7 +229,10 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
 
     torch.manual_seed(args.seed)
     model = TinyGPT(GPTConfig())
-    cfg = ds_config(VARIANTS[name], args.micro_batch, args.lr)
+    swap_dir = tempfile.mkdtemp(prefix="zeroshard-demo-")  # for the NVMe variant's swap files
+    zero = {k: dict(v, nvme_path=swap_dir) if isinstance(v, dict) and "nvme_path" in v else v
+            for k, v in VARIANTS[name].items()}
+    cfg = ds_config(zero, args.micro_batch, args.lr)
     engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
     result = VariantResult(name)
     block = model.cfg.block_size
@@ -228,7 +246,8 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
         engine.backward(loss)
         if step == args.steps - 1:  # gradients are at their largest between backward and step
             paused = time.perf_counter()
-            after_backward = _held_bytes(engine.memory_report())
+            report = engine.memory_report()
+            after_backward, device_backward = _held_bytes(report), _device_bytes(report)
             start += time.perf_counter() - paused  # not part of the step time
         engine.step()
         if engine.device.type == "cuda":  # kernels are asynchronous: wait before reading the clock
@@ -238,9 +257,13 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
         dist.all_reduce(mean_loss)
         result.losses.append(mean_loss.item() / engine.world_size)
         progress(name, step + 1, args.steps, result.losses[-1], statistics.median(result.step_ms))
-    after_step = _held_bytes(engine.memory_report())
+    report = engine.memory_report()
+    after_step = _held_bytes(report)
     result.memory = {k: max(after_backward.get(k, 0), after_step.get(k, 0))
                      for k in after_backward.keys() | after_step.keys()}
+    result.on_device = max(device_backward, _device_bytes(report))
+    engine.destroy()  # removes the swap files
+    shutil.rmtree(swap_dir, ignore_errors=True)
     del engine, model, logits, loss
     gc.collect()
     dist.barrier()
@@ -271,16 +294,16 @@ def format_table(results: list[VariantResult]) -> list[str]:
     """The result table and the loss-agreement line, as printed by rank 0."""
     base = next((r for r in results if r.name == "0"), results[0])
     header = (f"{'stage':<7}{'final loss':>11}{'ms/step':>9}{'params MB':>11}{'grads MB':>10}"
-              f"{'optim MB':>10}{'total MB':>10}  saving vs stage {base.name}")
+              f"{'optim MB':>10}{'total MB':>10}{'device MB':>11}  device saving vs stage {base.name}")
     lines = [header, "-" * len(header)]
     for r in results:
-        ratio = base.model_states / r.model_states if r.model_states else math.inf
-        change = r.model_states / base.model_states - 1 if base.model_states else 0.0
+        ratio = base.on_device / r.on_device if r.on_device else math.inf
+        change = r.on_device / base.on_device - 1 if base.on_device else 0.0
         lines.append(
             f"{r.name:<7}{r.losses[-1]:>11.5f}{statistics.median(r.step_ms):>9.1f}"
             f"{r.memory.get('params', 0) / MB:>11.3f}{r.memory.get('grads', 0) / MB:>10.3f}"
             f"{r.memory.get('optimizer', 0) / MB:>10.3f}{r.model_states / MB:>10.3f}"
-            f"  {ratio:.2f}x ({change:+.0%})")
+            f"{r.on_device / MB:>11.3f}  {ratio:.2f}x ({change:+.0%})")
     lines.append(loss_agreement(results))
     return lines
 
@@ -376,7 +399,9 @@ def worker_main(argv: list[str]) -> int:
         lines = format_table(results)
         print("\n".join(lines))
         print("MB = 10^6 bytes held by one rank, measured by engine.memory_report() "
-              "(total = params + grads + optimizer state).", flush=True)
+              "(total = params + grads + optimizer state wherever they are; device = the part "
+              "on the compute device, which +cpu / +nvme offload moves to CPU memory / swap "
+              "files).", flush=True)
         if args.plot:
             save_plot(results, args.plot)
             print(f"plot written to {args.plot}")

@@ -34,6 +34,9 @@ MARGIN_FRACTION = 0.02
 class NvmeError(OSError):
     """An NVMe swap directory is unusable, too small, or a swap read/write failed."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 def round_up(nbytes: int) -> int:
     """`nbytes` rounded up to a multiple of BLOCK."""

@@ -151,8 +151,8 @@ class NvmePlacement(Placement):
         self.policy = policy
         self.name = "nvme"
         self.device = torch.device("cpu")
-        self.threads = _offload_threads() if any(u.flat.device.type == "cuda" for u in units) \
-            else None
+        self.on_cuda = any(u.flat.device.type == "cuda" for u in units)
+        self.threads = _offload_threads() if self.on_cuda else None
         self.grad_buffers = None
         self.grads = None
         self.pipeline_read = bool(spec.pipeline_read)
@@ -243,6 +243,8 @@ class NvmePlacement(Placement):
             self.optimizer.param_groups = saved
             master.grad = None
         self.policy.write_owned(unit, master.data)
+        if self.on_cuda:  # the staging buffer is reused once its write is done
+            torch.cuda.current_stream().synchronize()
         # The first step created the state tensors: move them into staging buffers.
         state = self.optimizer.state[master]
         for kind in self.kinds[unit.group_index]:

@@ -51,6 +51,9 @@ class ShardStore:
     def flush(self) -> None:
         """Wait for writes in flight; raise NvmeError if one failed."""
 
+    def drain(self) -> None:
+        """Wait for writes in flight, dropping failures (after an error was reported)."""
+
     def tensors(self) -> list[torch.Tensor]:
         """Shards held in memory (for the ledger, under `name`)."""
         return [u.shard for u in self.units.values()]
@@ -166,7 +169,8 @@ class NvmeShardStore(ShardStore):
         self.held[unit.index] = (buffer, pooled)
         shard = _typed(buffer, unit)
         if unit.flat.device.type != "cpu":
-            shard = shard.to(unit.flat.device, non_blocking=buffer.is_pinned())
+            # Synchronous: the staging buffer is reused as soon as the gather is done.
+            shard = shard.to(unit.flat.device)
         return shard
 
     def done(self, unit: Unit) -> None:
@@ -209,6 +213,15 @@ class NvmeShardStore(ShardStore):
                 error = error or err
         if error is not None:
             raise error
+
+    def drain(self) -> None:
+        """Wait for every write, dropping failures (they were reported already)."""
+        for index in list(self.writes):
+            for request in self.writes.pop(index):
+                try:
+                    request.wait()
+                except NvmeError:
+                    pass
 
     def tensors(self) -> list[torch.Tensor]:
         """Nothing is kept in memory."""

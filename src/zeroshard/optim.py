@@ -203,6 +203,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.policy.gather_params()
         except NvmeError as err:
             self.broken = str(err)
+            self.policy.drain()
             raise NvmeError(err.errno, f"rank {self.comm.rank}, optimizer step {self.steps}: {err}. "
                             "The step was only partly applied; load the last checkpoint "
                             "(engine.load_checkpoint) to continue") from err

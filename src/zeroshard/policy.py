@@ -116,6 +116,9 @@ class StagePolicy:
         """Communication buffers held between collectives (for the memory ledger)."""
         return []
 
+    def drain(self) -> None:
+        """Finish offload I/O in flight, ignoring failures (after one was reported)."""
+
     def offload_buffer_tensors(self) -> list[torch.Tensor]:
         """Staging buffers of offloaded parameters (stage 3; for the memory ledger, on the CPU)."""
         return []

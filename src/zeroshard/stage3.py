@@ -129,6 +129,10 @@ class Stage3(Stage2):
         """Gradient buffers (as stage 2) plus spare gathered-unit memory kept in the pool."""
         return super().buffer_tensors() + (self.gathered_pool.tensors() if self.gathered_pool else [])
 
+    def drain(self) -> None:
+        """Finish parameter writes in flight, ignoring failures (after one was reported)."""
+        self.store.drain()
+
     def offload_buffer_tensors(self) -> list[torch.Tensor]:
         """Staging buffers of the parameter store (CPU memory)."""
         return self.store.buffers()

@@ -219,6 +219,15 @@ def _run_bad_paths(rank, world, root):
     return out
 
 
+def _run_destroy_without_gather(rank, world, root):
+    """destroy(keep_parameters=False) deletes the swap files without gathering the model."""
+    engine, model = _engine(_config(3, "nvme", "nvme", False, root))
+    _train(engine, rank, world, steps=1)
+    engine.destroy(keep_parameters=False)
+    return {"empty": all(p.numel() == 0 for p in model.parameters() if p.requires_grad),
+            "swap_after": _swap_files(root)}
+
+
 def _all(rank, world):
     # Swap files in a directory of this rank's own; checkpoints in one all ranks share.
     ckpt = os.path.join(tempfile.gettempdir(), f"zs-offload-ckpt-{os.getppid()}-{world}")
@@ -229,6 +238,7 @@ def _all(rank, world):
                "failure": _run_write_failure(rank, world, root, ckpt)}
         if world == 1:
             out["paths"] = _run_bad_paths(rank, world, tmp)
+            out["no-gather"] = _run_destroy_without_gather(rank, world, root)
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -311,6 +321,14 @@ def test_bad_nvme_paths_are_refused_before_any_step(world_results):
         "1048576 bytes) free" in small
     assert paths["created"]
     assert paths["in-use"] and "in use by another zeroshard process" in paths["in-use"]
+
+
+def test_destroy_can_leave_the_model_ungathered(world_results):
+    world, results = world_results
+    if world != 1:
+        pytest.skip("checked in the world of one")
+    got = results[0]["no-gather"]
+    assert got["empty"] and got["swap_after"] == []
 
 
 EXIT_SCRIPT = """

@@ -260,9 +260,11 @@ class Engine(nn.Module):
         self.comm.barrier()
         return True
 
-    def destroy(self) -> None:
-        """Remove hooks; the engine is unusable afterwards."""
-        self.optimizer.close()
+    def destroy(self, keep_parameters: bool = True) -> None:
+        """Remove hooks and delete swap files; the engine is unusable afterwards. At stage 3 the
+        model is gathered whole first, unless `keep_parameters=False` (then its parameters stay
+        empty: use it for models too large to hold whole, after saving what you need)."""
+        self.optimizer.close(keep_parameters)
 
     def __getattr__(self, name: str) -> Any:
         try:

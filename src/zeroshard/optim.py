@@ -247,9 +247,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes of swap files by kind ("params", "optimizer")."""
         return {"optimizer": self.placement.nvme_bytes(), "params": self.policy.nvme_bytes()}
 
-    def close(self) -> None:
-        """Remove the policy's hooks, release offload files and threads."""
-        self.policy.close()
+    def close(self, keep_parameters: bool = True) -> None:
+        """Remove the policy's hooks, release offload files and threads (see Engine.destroy)."""
+        self.policy.close(keep_parameters)
         self.placement.close()
         for unit in self.units:
             for param in unit.params():

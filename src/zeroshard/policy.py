@@ -127,8 +127,8 @@ class StagePolicy:
         """Whether this rank's gradient slice of `unit` is free of inf/nan (error reporting only)."""
         return bool(torch.isfinite(self.grad_shard(unit)).all())
 
-    def close(self) -> None:
-        """Remove hooks (used when an engine is torn down)."""
+    def close(self, keep_parameters: bool = True) -> None:
+        """Remove hooks (used when an engine is torn down; parameters are whole below stage 3)."""
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()

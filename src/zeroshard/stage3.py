@@ -305,13 +305,16 @@ class Stage3(Stage2):
             self.store.write(unit, unit.flat[slice(*unit.shard_bounds(self.comm.rank))])
             self.store.flush()
 
-    def close(self) -> None:
-        """Remove hooks and leave every unit gathered, so the module works on its own again."""
+    def close(self, keep_parameters: bool = True) -> None:
+        """Remove hooks and (unless `keep_parameters` is false) leave every unit gathered, so the
+        module works on its own again; without it the parameters stay empty (no full model in
+        memory, e.g. one that fits only because its shards were on NVMe)."""
         super().close()
         for index in sorted(self.sharded):
             self.pinned.pop(index, None)
         try:
-            self.unshard(sorted(self.sharded))
+            if keep_parameters:
+                self.unshard(sorted(self.sharded))
         finally:
             self.store.close()
 

@@ -46,7 +46,7 @@ CASES = {  # name -> (stage, offload_optimizer device, offload_param device, pip
 }
 
 
-def _config(stage, opt=None, param=None, pipelined=False, root="", bf16=False):
+def _config(stage, opt=None, param=None, pipelined=False, root="", precision="fp32"):
     zero = {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0}
     if stage < 3:
         zero.pop("stage3_param_persistence_threshold")
@@ -56,7 +56,9 @@ def _config(stage, opt=None, param=None, pipelined=False, root="", bf16=False):
     if param:
         zero["offload_param"] = {"device": param, "nvme_path": root, "buffer_count": 2}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-            "gradient_clipping": CLIP, "bf16": {"enabled": bf16}, "zero_optimization": zero}
+            "gradient_clipping": CLIP, "bf16": {"enabled": precision == "bf16"},
+            "fp16": {"enabled": precision == "fp16", "initial_scale_power": 8},
+            "zero_optimization": zero}
 
 
 def _engine(config):
@@ -102,14 +104,15 @@ def _run_placements(rank, world, root):
         engine.destroy()
         out[name] = {"err": _rel(_params(model), baselines[stage]), "report": report,
                      "swap_during": swap_during, "swap_after": _swap_files(root)}
-    # bf16 with the optimizer on NVMe equals bf16 without offload.
-    results = []
-    for opt in (None, "nvme"):
-        engine, model = _engine(_config(2, opt, None, True, root, bf16=True))
-        _train(engine, rank, world)
-        engine.destroy()
-        results.append(_params(model))
-    out["bf16-s2-opt-nvme"] = {"err": _rel(results[1], results[0])}
+    # Mixed precision with the optimizer on NVMe equals the same precision without offload.
+    for precision in ("bf16", "fp16"):
+        results = []
+        for opt in (None, "nvme"):
+            engine, model = _engine(_config(2, opt, None, True, root, precision))
+            _train(engine, rank, world)
+            engine.destroy()
+            results.append(_params(model))
+        out[f"{precision}-s2-opt-nvme"] = {"err": _rel(results[1], results[0])}
     return out
 
 
@@ -251,10 +254,10 @@ def world_results(request):
     return request.param, run_world(request.param, _all)
 
 
-@pytest.mark.parametrize("case", [*CASES, "bf16-s2-opt-nvme"])
+@pytest.mark.parametrize("case", [*CASES, "bf16-s2-opt-nvme", "fp16-s2-opt-nvme"])
 def test_offload_equals_no_offload(world_results, case):
     world, results = world_results
-    tolerance = 1e-2 if case.startswith("bf16") else 1e-6
+    tolerance = 1e-2 if case[1:4] == "f16" else 1e-6
     for rank, got in enumerate(results):
         err = got["placements"][case]["err"]
         assert err <= tolerance, f"world {world} rank {rank} {case}: relative error {err:.2e}"

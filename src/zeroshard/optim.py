@@ -7,8 +7,10 @@ is the same for every stage:
   3. one scalar all-reduce gives the global gradient norm over all shards, which detects fp16
      overflow and drives clipping; unscaling and clipping are applied as one multiply;
   4. the user's optimizer steps over the shard parameters (fused kernel where torch has one);
-  5. in mixed precision the fp32 master shard is copied back into the compute-dtype buffer;
+  5. the fp32 master shard is copied back into the compute-dtype shard (unless it is that shard);
   6. the policy all-gathers the updated shards (stages 1-2).
+Where the masters and optimizer state live, and so how steps 2-5 run, is the placement's business
+(`offload.py`: the device, CPU memory, or NVMe swap files stepped unit by unit).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from torch import nn
 
 from .comm import Comm
 from .init import take_full
+from .layout import Unit, build_units
 from .nvme import NvmeError
 from .offload import make_placement
-from .layout import Unit, build_units
 from .partition import build_stage3_layout
 from .policy import StagePolicy
 from .scaler import LossScaler

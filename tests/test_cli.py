@@ -113,8 +113,9 @@ def test_demo_end_to_end():
     for name in "0123":  # without offload everything is on the device
         assert rows[name]["device"] == rows[name]["total"]
     # Offload keeps the model states but moves them off the device.
-    assert rows["2+cpu"]["device"] == pytest.approx(rows["2"]["device"] - rows["2"]["optim"], abs=0.002)
-    assert rows["3+nvme"]["device"] == pytest.approx(rows["3"]["grads"], abs=0.002)
+    # (gradient shards go with the optimizer to CPU memory; parameters too at 3+nvme).
+    assert rows["2+cpu"]["device"] == pytest.approx(rows["2"]["params"], abs=0.002)
+    assert rows["3+nvme"]["device"] == 0
     agree = [line for line in out.splitlines() if line.startswith("losses ")]
     assert len(agree) == 1 and agree[0].startswith("losses agree"), out
     assert "2 ranks" in out.splitlines()[0] or torch.cuda.is_available()

@@ -279,7 +279,10 @@ def test_ledger_places_bytes_truthfully(world_results, case):
             assert report["params"][param] > 0
             # Between steps nothing of a sharded stage-3 unit stays on the device.
             assert report["params"]["device"] == 0, report["params"]
-        assert report["grads"]["device"] > 0 and report["grads"]["cpu"] == report["grads"]["nvme"] == 0
+        # Sharded gradients live where the optimizer steps: CPU memory under optimizer offload.
+        grads_at = "cpu" if opt and stage >= 2 else "device"
+        assert report["grads"][grads_at] > 0
+        assert sum(report["grads"].values()) == report["grads"][grads_at], report["grads"]
 
 
 @pytest.mark.parametrize("case", CASES)

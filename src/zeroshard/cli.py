@@ -1,4 +1,4 @@
-"""The `zeroshard` command: `run` (a thin front door onto torchrun), `demo`, `estimate`,
+"""The `zeroshard` command: `run` (a thin front door onto torchrun), `demo`, `estimate`, `plan`,
 `consolidate`.
 
 `zeroshard run [torchrun options] script.py [script args]` parses its options with torchrun's own
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from zeroshard import __version__
 
-COMMANDS = ("run", "demo", "estimate", "consolidate")
+COMMANDS = ("run", "demo", "estimate", "plan", "consolidate")
 _TOP_LEVEL_FLAGS = ("-h", "--help", "--version", "-V")
 _RUN_EPILOG = """\
 defaults added by zeroshard (everything else is torchrun's):
@@ -68,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
             from zeroshard import demo
 
             return demo.cli_main(argv[1:])
+        if argv and argv[0] in ("estimate", "plan"):
+            from zeroshard import sizing_cli
+
+            entry = sizing_cli.estimate_main if argv[0] == "estimate" else sizing_cli.plan_main
+            try:
+                return entry(argv[1:])
+            except ValueError as err:
+                raise UsageError(str(err)) from None
         return _top_level(argv)
     except UsageError as err:
         print(f"zeroshard: error: {err}", file=sys.stderr)
@@ -100,8 +108,10 @@ def _top_level(argv: list[str]) -> int:
                    add_help=False)
     sub.add_parser("demo", help="train a tiny GPT at ZeRO stages 0/1/2 and print measured memory",
                    add_help=False)
-    est = sub.add_parser("estimate", help="per-device memory of each ZeRO stage (planned)")
-    est.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    sub.add_parser("estimate", help="per-GPU memory of each ZeRO stage and offload (the ZeRO "
+                   "paper's formulas)", add_help=False)
+    sub.add_parser("plan", help="the least-communication configuration that fits your hardware, "
+                   "written as DeepSpeed JSON", add_help=False)
     con = sub.add_parser("consolidate", help="write a sharded checkpoint as safetensors, "
                          "one tensor in memory at a time")
     con.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
@@ -116,9 +126,6 @@ def _top_level(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         return _consolidate(args)
-    if args.command == "estimate":
-        print(f"zeroshard {args.command}: not implemented yet: planned", file=sys.stderr)
-        return 2
     parser.print_help()
     return 2
 

@@ -67,7 +67,7 @@ class Placement:
         """Attach fp32 gradients to the masters; return the local sum of their squares (float64)."""
         fp32 = []
         for i, (master, grad) in enumerate(zip(self.masters, grads)):
-            if self.grad_buffers is not None:
+            if self.grad_buffers is not None and grad.device.type == "cuda":
                 g = self.grad_buffers[i].copy_(grad, non_blocking=True)
             elif grad.device == master.device and grad.dtype == torch.float32:
                 g = grad

@@ -80,9 +80,10 @@ class CpuShardStore(ShardStore):
         self.staged: dict[int, torch.Tensor] = {}
         pin = pin and torch.cuda.is_available()
         for unit in units:
-            if unit.shard.device.type != "cpu" or pin:
-                host = torch.empty(unit.shard.numel(), dtype=unit.shard.dtype, pin_memory=pin)
-                unit.shard = host.copy_(unit.shard)
+            # Always a new tensor, also when the device is the CPU: an fp32 master taken from the
+            # shard stays a copy of its own, as it must be on a GPU machine.
+            host = torch.empty(unit.shard.numel(), dtype=unit.shard.dtype, pin_memory=pin)
+            unit.shard = host.copy_(unit.shard)
 
     def source(self, unit: Unit) -> torch.Tensor:
         """The shard copied to the unit's device (the shard itself when that is the CPU)."""

@@ -120,6 +120,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.masters = self.placement.masters
         for unit in self.units:
             unit.cast(compute_dtype or unit.dtype)
+        if self.placement.name != "device" and stage >= 2:
+            self.policy.grad_place = "cpu"  # gradient shards live where the optimizer steps
         self.policy.setup()
         self._reseat(optimizer)
         for unit in self.units:
@@ -240,7 +242,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         entries.append(("buffers", "cpu", self.policy.offload_buffer_tensors()))
         entries += [("params", where, tensors)
                     for where, tensors in self.policy.placed_param_tensors().items()]
-        entries += [("grads", "device", self.policy.grad_tensors()),
+        entries += [("grads", self.policy.grad_place, self.policy.grad_tensors()),
                     ("buffers", "device", self.policy.buffer_tensors())]
         # Device-resident entries after the parameters they may alias.
         return sorted(entries, key=lambda e: e[1] == "device" and e[0] != "params")

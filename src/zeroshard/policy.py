@@ -27,6 +27,9 @@ class StagePolicy:
     stage = -1
     #: Each rank steps only its 1/N shard (stages >= 1) rather than the whole unit (stage 0).
     shards_optimizer = True
+    #: Where persistent gradient shards live (stages 2-3): "device", or "cpu" under optimizer
+    #: offload, set by the optimizer before `setup()`.
+    grad_place = "device"
 
     def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True,
                  module: torch.nn.Module | None = None):

@@ -15,7 +15,9 @@ Communication plan, per micro-step and per optimizer step:
      Psi x (N-1)/N elements per rank.
   3. end of backward (an autograd callback): units still incomplete (unused parameters) are
      launched with zeros where gradients are missing, and all reduce-scatters are waited for.
-  4. step (accumulation boundary): rank r steps only its shard.
+  4. step (accumulation boundary): rank r steps only its shard. Under optimizer offload the
+     gradient shards live in CPU memory: each unit's reduced slice is copied there as it lands
+     in step 3, while backward goes on.
   5. all-gather every unit's updated shards into the full flat parameter buffer, in place.
      Ring cost: Psi x (N-1)/N elements per rank.
 """
@@ -40,8 +42,7 @@ class Stage2(StagePolicy):
 
     def setup(self) -> None:
         """Allocate persistent gradient shards and hook every managed parameter."""
-        self.grad_shards = {u.index: torch.zeros(u.shard_numel, dtype=u.dtype, device=u.flat.device)
-                            for u in self.units}
+        self.grad_shards = {u.index: self._grad_shard_memory(u) for u in self.units}
         self.buffers: dict[int, torch.Tensor] = {}  # unit index -> its full gradient, being filled
         self.filled: dict[int, list[bool]] = {}  # unit index -> which slots hold a gradient
         self.block_numel = {}  # dtype -> numel of the recycled blocks (the largest unit's)
@@ -61,6 +62,14 @@ class Stage2(StagePolicy):
                 slot.param.grad = None
                 self.hooks.append(slot.param.register_post_accumulate_grad_hook(
                     partial(self._on_grad_ready, unit, position)))
+
+    def _grad_shard_memory(self, unit: Unit) -> torch.Tensor:
+        """A zeroed gradient shard: on the device, or in (pinned on CUDA) CPU memory when the
+        optimizer is offloaded, so the step finds its gradients where it runs."""
+        if self.grad_place == "device":
+            return torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.flat.device)
+        pin = unit.flat.device.type == "cuda"
+        return torch.zeros(unit.shard_numel, dtype=unit.dtype, pin_memory=pin)
 
     # -- backward ------------------------------------------------------------------------------
     def _hook_outputs(self, _module, _inputs, output) -> None:
@@ -152,7 +161,10 @@ class Stage2(StagePolicy):
         if handle is not None:
             handle.wait()
         reduced = unit.shard_view(buffer, self.comm.rank)
-        self.grad_shards[unit.index].add_(reduced, alpha=1.0 / self.comm.world_size)
+        shard = self.grad_shards[unit.index]
+        if reduced.device != shard.device:  # optimizer offload: to the CPU as each unit lands
+            reduced = reduced.to(shard.device)
+        shard.add_(reduced, alpha=1.0 / self.comm.world_size)
         self._recycle(unit)
 
     def _end_of_backward(self) -> None:

@@ -91,7 +91,7 @@ def test_script_shorthand_passes_declared_local_rank(tmp_path):
 def _parse_demo_table(stdout: str) -> dict[str, dict[str, float]]:
     rows = {}
     number = r"[ \t]+([0-9.]+)"
-    pattern = re.compile(r"^(\S+)" + number * 7 + r"[ \t]+[0-9.]+x", re.MULTILINE)
+    pattern = re.compile(r"^(\S+)" + number * 7 + r"[ \t]+([0-9.]+x|all off)", re.MULTILINE)
     for m in pattern.finditer(stdout):
         loss, ms, params, grads, optim, total, device = map(float, m.groups()[1:8])
         rows[m.group(1)] = dict(loss=loss, ms=ms, params=params, grads=grads, optim=optim,
@@ -118,6 +118,8 @@ def test_demo_end_to_end():
     assert rows["3+nvme"]["device"] == 0
     agree = [line for line in out.splitlines() if line.startswith("losses ")]
     assert len(agree) == 1 and agree[0].startswith("losses agree"), out
+    estimate = [line for line in out.splitlines() if line.startswith("estimate ")]
+    assert len(estimate) == 1 and "largest difference" in estimate[0], out
     assert "2 ranks" in out.splitlines()[0] or torch.cuda.is_available()
 
 

@@ -190,10 +190,13 @@ def test_module_mode_and_missing_module(capsys):
     assert "zeroshard.no_such_module" in capsys.readouterr().err
 
 
-def test_planned_commands(capsys):
-    """estimate is registered and says it is planned (exit 2)."""
-    assert cli.main(["estimate"]) == 2
-    assert "not implemented yet: planned" in capsys.readouterr().err
+def test_estimate_and_plan_are_commands(capsys):
+    """estimate and plan need a model: without one, a usage error naming the options (exit 2)."""
+    for command in ("estimate", "plan"):
+        assert cli.main([command]) == 2
+        assert "one of the arguments --params --model is required" in capsys.readouterr().err
+    assert cli.main(["estimate", "--params", "1B"]) == 0
+    assert "| stage 3 |" in capsys.readouterr().out
 
 
 def test_version_and_demo_usage_errors(capsys):

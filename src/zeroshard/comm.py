@@ -28,10 +28,18 @@ def _env_int(*names: str) -> int | None:
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
-                     **_ignored) -> None:
-    """Start the default process group from torchrun's (or Slurm's) environment; no-op if started."""
+                     dist_backend: str | None = None, distributed_port: int | None = None,
+                     verbose: bool = True, **_ignored) -> None:
+    """Start the default process group from torchrun's (or Slurm's) environment; no-op if started.
+
+    DeepSpeed's spellings are accepted: `dist_backend` for `backend`, `distributed_port` for the
+    rendezvous port when the environment gives none; `verbose` and other keywords are ignored.
+    """
     if dist.is_available() and dist.is_initialized():
         return
+    backend = backend or dist_backend
+    if distributed_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     rank = _env_int("RANK", "SLURM_PROCID")
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID")
@@ -243,3 +251,39 @@ class Comm:
     def reset(self) -> None:
         """Zero the ledger (e.g. to measure one step)."""
         self.bytes.clear()
+
+
+# -- DeepSpeed's `deepspeed.comm` names (module-level, on the default process group) ---------------
+
+def get_rank() -> int:
+    """This process's rank (0 before the process group exists)."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Number of ranks (1 before the process group exists)."""
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    """Rank within this node, from LOCAL_RANK (0 when unset)."""
+    return _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a world of one without a process group)."""
+    if is_initialized():
+        dist.barrier()
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """All-reduce `tensor` in place over `group` (default: every rank)."""
+    if not is_initialized():
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+ReduceOp = dist.ReduceOp

@@ -7,6 +7,7 @@ nothing here, and ``require_supported``, the one place that says what the engine
 """
 
 import difflib
+import base64
 import json
 import os
 import sys
@@ -38,7 +39,8 @@ class ConfigWarning(UserWarning):
 # sizes as 2e8 (a float), but "yes" must not become True and 2.5 must not become 2.
 
 def _auto_error(what: str) -> ValueError:
-    return ValueError(f"'auto' values are resolved by the Hugging Face integration; give {what}")
+    return ValueError(f"'auto' is resolved by zeroshard.initialize() (and the Hugging Face "
+                      f"integration), not by load_config(); give {what}")
 
 
 def _show(value: Any) -> str:
@@ -424,6 +426,8 @@ def _read(config: Any) -> dict:
         return {}
     if isinstance(config, ZeroConfig):
         return config.to_dict()
+    if isinstance(config, str) and not os.path.exists(config) and _is_base64_json(config):
+        return _read(json.loads(base64.urlsafe_b64decode(config.encode())))
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         try:
@@ -444,6 +448,19 @@ def _read(config: Any) -> dict:
         raise ConfigError(f"{source} must be a JSON object (dict) of DeepSpeed keys, "
                           f"got {type(config).__name__}")
     return config
+
+
+def _is_base64_json(text: str) -> bool:
+    """Whether `text` is a base64-encoded JSON object (DeepSpeed accepts configs that way)."""
+    try:
+        return isinstance(json.loads(base64.urlsafe_b64decode(text.encode())), dict)
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
+def read_raw(config: Any) -> dict:
+    """The config as a plain dict: a dict, a JSON file path, or base64-encoded JSON."""
+    return _read(config)
 
 
 def _check_keys(raw: dict, path: str, problems: list[str], inert: list[str]) -> dict:

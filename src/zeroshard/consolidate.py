@@ -104,7 +104,7 @@ def _read_runs(reader: SafeReader, entries):
 def consolidated_state_dict(checkpoint_dir: str, tag: str | None = None,
                             dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
     """The whole model's state dict from a zeroshard checkpoint (parameters in `dtype`)."""
-    path = _tag_path(checkpoint_dir, tag)
+    path = tag_path(checkpoint_dir, tag)
     reader = SafeReader(path)
     out = {}
     for (name, *_), tensor in _read_runs(reader, _entries(path, reader)):
@@ -113,7 +113,8 @@ def consolidated_state_dict(checkpoint_dir: str, tag: str | None = None,
     return out
 
 
-def _tag_path(checkpoint_dir: str, tag: str | None) -> str:
+def tag_path(checkpoint_dir: str, tag: str | None) -> str:
+    """The directory of checkpoint `tag` (default: the one `latest` names); CheckpointError if absent."""
     tag = resolve_tag(checkpoint_dir, tag)
     if tag is None:
         raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass --tag")
@@ -129,7 +130,7 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     target = DTYPES[dtype]
-    path = _tag_path(checkpoint_dir, tag)
+    path = tag_path(checkpoint_dir, tag)
     reader = SafeReader(path)
     entries = []
     for name, key, shape, saved_dtype in _entries(path, reader):

@@ -7,6 +7,7 @@ accumulation boundary only (then the LR scheduler, then clearing gradients), and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm, default_device, init_distributed
-from .config import ZeroConfig, load_config, require_supported
+from .auto import resolve_auto
+from .config import ZeroConfig, load_config, read_raw, require_supported
 from .optim import ZeroOptimizer, build_optimizer
 from .scaler import LossScaler
 from .stage3 import Stage3Options
@@ -165,6 +167,18 @@ class Engine(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients."""
         self.optimizer.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate without communicating (DDP's name). Below stage 2 gradients are only
+        reduced at the accumulation boundary anyway, so this changes nothing; at stages 2-3 they
+        are reduce-scattered in every backward (that is what shards them), so it is refused."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(
+                f"engine.no_sync() is not possible at ZeRO stage {self.zero_optimization_stage()}: "
+                "gradients are reduce-scattered during every backward, which is what keeps only "
+                "1/N of them. Use gradient_accumulation_steps instead, or stage 0/1")
+        yield
 
     # -- ledgers -----------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -340,12 +354,15 @@ def _check_owned(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
 
 
 def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, args=None,
-           config_params=None):
+           config_params=None, loader_batch: int | None = None, known: dict | None = None):
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     init_distributed()
     comm = Comm()
     source = _resolve_config(config, args, config_params)
+    if not isinstance(source, ZeroConfig):
+        source = resolve_auto(read_raw(source), model=model, world_size=comm.world_size,
+                              loader_batch=loader_batch, known=known)
     cfg = source if isinstance(source, ZeroConfig) else load_config(source, comm.world_size)
     require_supported(cfg)
     device = default_device()
@@ -407,8 +424,15 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ValueError("initialize() needs model=<torch.nn.Module>")
     if mpu is not None:
         raise ValueError("model parallelism (mpu=) is not supported by zeroshard; pass mpu=None")
+    if args is not None and getattr(args, "local_rank", 0) in (None, -1):
+        args.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # as DeepSpeed fills it in
+    loader_batch = None
+    from torch.utils.data import DataLoader
+
+    if isinstance(training_data, DataLoader):  # its batch size answers an "auto" micro batch
+        loader_batch, training_data = training_data.batch_size, training_data.dataset
     engine, zopt, scheduler, cfg = _build(model, optimizer, model_parameters, config,
-                                          lr_scheduler, args, config_params)
+                                          lr_scheduler, args, config_params, loader_batch)
     loader = None
     if training_data is not None:
         loader = make_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, engine.comm,

@@ -30,7 +30,7 @@ from torch import nn
 
 from .comm import Comm, init_distributed
 from .config import load_config
-from .layout import Slot, Unit, padded_size
+from .layout import Slot, Unit, ZeroParamStatus, padded_size, set_status
 
 #: Attribute on a parameter partitioned at construction: its construction-time Unit.
 INIT_ATTR = "_zeroshard_init_unit"
@@ -216,6 +216,7 @@ def gather_init_units(params) -> list[Unit]:
     for unit, comm in units:
         if not unit.is_gathered:
             comm.all_gather(unit.allocate(), unit.shard)
+            set_status(unit, ZeroParamStatus.AVAILABLE)
     return [u for u, _ in units]
 
 

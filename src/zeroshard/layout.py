@@ -13,6 +13,7 @@ unit is gathered (`Unit.shard`, `Unit.release`).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,25 @@ MIN_UNIT_NUMEL = 1 << 20
 # Shards start on 16-element boundaries: aligned vector loads in the optimizer kernels and
 # O_DIRECT-friendly sizes for the later NVMe placement.
 ALIGN = 16
+
+
+class ZeroParamStatus(enum.Enum):
+    """A stage-3 parameter's `ds_status` (DeepSpeed's names, read by Hugging Face and trl)."""
+
+    AVAILABLE = 1
+    """Whole on this rank (gathered, or a persistent small parameter)."""
+    NOT_AVAILABLE = 2
+    """Released: an empty tensor; `ds_shape` / `ds_numel` give its real size."""
+    INFLIGHT = 3
+    """Its all-gather has been issued and not yet waited for."""
+
+
+def set_status(unit: "Unit", status: ZeroParamStatus) -> None:
+    """Record `status` (and the real sizes) on every parameter of `unit`."""
+    for slot in unit.slots:
+        slot.param.ds_status = status
+        slot.param.ds_shape = slot.shape
+        slot.param.ds_numel = slot.numel
 
 
 @dataclass
@@ -130,6 +150,7 @@ class Unit:
                 storage.resize_(nbytes)
         for slot, view in self.views(self.flat):
             slot.param.data = view
+        set_status(self, ZeroParamStatus.INFLIGHT)
         return self.flat
 
     def release(self, pool: "StoragePool | None" = None) -> None:
@@ -147,8 +168,7 @@ class Unit:
         empty = torch.empty(0, dtype=self.dtype, device=self.shard.device)
         for slot in self.slots:
             slot.param.data = empty
-            slot.param.ds_shape = slot.shape
-            slot.param.ds_numel = slot.numel
+        set_status(self, ZeroParamStatus.NOT_AVAILABLE)
 
 
 class StoragePool:

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from .comm import Comm
 from .desync import OrderGuard
-from .layout import StoragePool, Unit
+from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .offload_param import ShardStore, make_store
 from .partition import Stage3Layout
 from .schedule import Schedule
@@ -158,6 +158,7 @@ class Stage3(Stage2):
             handle = self.pending.pop(index, None)
             if handle is not None:
                 handle.wait()
+            set_status(self.by_index[index], ZeroParamStatus.AVAILABLE)
 
     def reshard(self, index: int) -> None:
         """Free unit `index`'s full buffer (keeps pinned units)."""
@@ -192,6 +193,9 @@ class Stage3(Stage2):
     def setup(self) -> None:
         """Stage-2 gradient machinery plus gather/release hooks on every unit module."""
         super().setup()
+        for unit in self.units:  # persistent units are whole; sharded ones are released
+            if unit.index not in self.sharded:
+                set_status(unit, ZeroParamStatus.AVAILABLE)
         # Shards move to their placement now that they are in the compute dtype.
         self.store = make_store(self.options.offload_param, self.options.aio,
                                 [u for u in self.units if u.index in self.sharded], self.comm.rank)
@@ -284,6 +288,7 @@ class Stage3(Stage2):
             self.guard.check("gather", index)
             self.comm.all_gather(unit.flat, self.store.source(unit))
             self.store.done(unit)
+            set_status(unit, ZeroParamStatus.AVAILABLE)
 
     def pin(self, indices) -> None:
         """Gather the listed units and keep them gathered until `unpin` (GatheredParameters)."""

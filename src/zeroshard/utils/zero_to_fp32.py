@@ -1,0 +1,45 @@
+"""DeepSpeed's `deepspeed.utils.zero_to_fp32` functions over zeroshard checkpoints
+(`consolidate.py` does the work: one tensor in memory at a time when writing files)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..checkpoint import META
+from ..consolidate import tag_path, consolidate, consolidated_state_dict
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False) -> dict:
+    """The whole model's fp32 state dict from a checkpoint written at any stage and world size."""
+    state = consolidated_state_dict(checkpoint_dir, tag, torch.float32)
+    if exclude_frozen_parameters:
+        with open(os.path.join(tag_path(checkpoint_dir, tag), META)) as fh:
+            saved_as = json.load(fh)["state_dict"]  # state-dict name -> key in the checkpoint
+        state = {k: v for k, v in state.items() if not saved_as.get(k, "").startswith("frozen.")}
+    return state
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str,
+                                               tag: str | None = None, max_shard_size="5GB",
+                                               safe_serialization: bool = True,
+                                               exclude_frozen_parameters: bool = False) -> list[str]:
+    """Write the checkpoint's fp32 weights as safetensors under `output_dir` (HF-style shards
+    beyond `max_shard_size`); returns the files written."""
+    if not safe_serialization:
+        raise ValueError("zeroshard writes safetensors only; pass safe_serialization=True")
+    if exclude_frozen_parameters:
+        raise ValueError("exclude_frozen_parameters=True is not supported when writing files; "
+                         "use get_fp32_state_dict_from_zero_checkpoint(...) and filter")
+    return consolidate(checkpoint_dir, output_dir, tag, "fp32", max_shard_size)
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,
+                                         tag: str | None = None) -> torch.nn.Module:
+    """Load a checkpoint's fp32 weights into a plain (unwrapped) `model`; returns the model."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model.load_state_dict(state, strict=False)
+    return model

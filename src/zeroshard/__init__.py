@@ -7,7 +7,7 @@ from .config import ConfigError, NotSupportedYetError, load_config
 from .engine import Engine, initialize, is_initialized, prepare
 from .gathered import GatheredParameters
 from .init import Init, load_full_state_dict
-from . import zero
+from . import comm, ops, utils, zero
 from .desync import DesyncError
 from .optim import NonFiniteGradientError, ZeroOptimizer
 from .scaler import LossScaleError
@@ -30,5 +30,5 @@ def add_config_arguments(parser):
 __all__ = [
     "ConfigError", "DesyncError", "Engine", "GatheredParameters", "Init", "LossScaleError",
     "NonFiniteGradientError", "NotSupportedYetError", "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
-    "load_config", "load_full_state_dict", "prepare", "zero", "__version__",
+    "load_config", "load_full_state_dict", "prepare", "comm", "ops", "utils", "zero", "__version__",
 ]

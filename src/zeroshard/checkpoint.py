@@ -434,8 +434,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     except Exception as err:
         raise CheckpointError(f"could not load {path}: {str(err).splitlines()[0][:500]}") from None
     with torch.no_grad():
-        if hasattr(opt.policy, "reshard_all"):
-            opt.policy.reshard_all()  # a gathered stage-3 unit would be stale
+        # Gradients accumulated before the load (or left by a step that failed half-way) and
+        # gathered stage-3 units belong to the old state.
+        opt.policy.reset()
         for unit, tensors in loaded:
             _install(opt, unit, tensors, groups[unit.group_index] if with_optim else None)
         opt.placement.flush()

@@ -196,21 +196,25 @@ class NvmePlacement(Placement):
         ahead = 1 if self.pipeline_read else 0
         reads: dict[int, tuple[list, dict]] = {}
         writes = []
+        current = None  # the unit being stepped: its reads are done, its writes not started
         try:
             for i, unit in enumerate(units):
                 for nxt in units[i:i + 1 + ahead]:
                     if nxt.index not in reads:
                         reads[nxt.index] = self._start_read(nxt)
-                requests, buffers = reads.pop(unit.index)
-                for request in requests:
+                current = reads.pop(unit.index)
+                for request in current[0]:
                     request.wait()
-                self._step_unit(unit, buffers, factor)
-                writes.extend(self._start_write(unit, buffers))
+                self._step_unit(unit, current[1], factor)
+                writes.extend(self._start_write(unit, current[1]))
+                current = None  # its buffers go back to the pool as its writes finish
                 if not self.pipeline_write:
                     _wait_all(writes)
                     writes.clear()
             _wait_all(writes)
         except NvmeError:
+            if current is not None:
+                reads[-1] = current
             self._abandon(reads, writes)
             raise
         finally:

@@ -166,7 +166,14 @@ class NvmeShardStore(ShardStore):
         else:
             pooled = True
         request, buffer = started
-        request.wait()
+        try:
+            request.wait()
+        except NvmeError as err:
+            if pooled:
+                self.pool.give(buffer)
+            raise NvmeError(err.errno, f"{err} (the shard of {unit.describe()}, needed for its "
+                            "all-gather); no parameter or optimizer state was changed: retry, or "
+                            "load the last checkpoint") from err
         self.held[unit.index] = (buffer, pooled)
         shard = _typed(buffer, unit)
         if unit.flat.device.type != "cpu":

@@ -111,6 +111,10 @@ class StagePolicy:
         for flat in self.flat_grads:
             flat.zero_()
 
+    def reset(self) -> None:
+        """Forget every gradient and any half-done backward (before loading a checkpoint)."""
+        self.zero_grad()
+
     def grad_tensors(self) -> list[torch.Tensor]:
         """Gradient storage this policy keeps between steps (for the memory ledger)."""
         return list(self.flat_grads)

@@ -201,6 +201,23 @@ class Stage2(StagePolicy):
         for shard in self.grad_shards.values():
             shard.zero_()
 
+    def reset(self) -> None:
+        """Drop a backward that was cut short (an error inside it) and clear the gradients."""
+        while self.in_flight:
+            unit, _, handle = self.in_flight.popleft()
+            if handle is not None:
+                handle.wait()
+            self._recycle(unit)
+        for index in list(self.buffers):
+            del self.buffers[index]
+            self._recycle(self.units[index])
+        self.filled.clear()
+        self.missing = {u.index: len(u.slots) for u in self.units}
+        self.launched.clear()
+        self.next_launch = 0
+        self.callback_queued = False
+        self.zero_grad()
+
     def grad_tensors(self) -> list[torch.Tensor]:
         """The persistent gradient shards (unit buffers are reported under "buffers")."""
         return list(self.grad_shards.values())

@@ -143,10 +143,11 @@ class Stage3(Stage2):
         if unit.index in self.pending or unit.is_gathered:
             return
         self.guard.check("gather", unit.index)
+        source = self.store.source(unit)  # first: a failed NVMe read leaves nothing half-done
         flat = unit.allocate(self.gathered_pool)
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
-        handle = self.comm.all_gather(flat, self.store.source(unit), async_op=True)
+        handle = self.comm.all_gather(flat, source, async_op=True)
         self.pending[unit.index] = _Gather(handle, self.store, unit)
 
     def unshard(self, indices) -> None:
@@ -289,6 +290,14 @@ class Stage3(Stage2):
             self.comm.all_gather(unit.flat, self.store.source(unit))
             self.store.done(unit)
             set_status(unit, ZeroParamStatus.AVAILABLE)
+
+    def reset(self) -> None:
+        """As stage 2, and free every gathered unit that no GatheredParameters context pins."""
+        for index in list(self.pending):
+            self.pending.pop(index).wait()
+        self.active.clear()
+        super().reset()
+        self.reshard_all()
 
     def pin(self, indices) -> None:
         """Gather the listed units and keep them gathered until `unpin` (GatheredParameters)."""

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks; import a submodule, e.g. zeroshard.integrations.hf."""

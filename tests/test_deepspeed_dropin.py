@@ -78,3 +78,81 @@ def test_tutorial_script_runs_unchanged(stage, reference, tmp_path):
         got = torch.tensor(result["weights"][name])
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-5, f"stage {stage} {name}: relative error {err:.2e}"
+
+
+# -- initialize's argument shapes, zero.Init's DeepSpeed keywords, "auto" values ------------------
+
+def _names(rank, world):
+    import base64
+    import datetime
+
+    import zeroshard as deepspeed
+    from zeroshard.config import ConfigError
+
+    out = {}
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60),
+                               distributed_port=29511, verbose=False)  # already up: a no-op
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    encoded = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="cpu", enabled=True):
+        model = dropin_script.Net()
+    out["init_partitioned"] = all(p.numel() < p.ds_numel or p.ds_numel <= 16
+                                  for p in model.parameters())
+    groups = [{"params": list(model.blocks.parameters()), "lr": 0.01},
+              {"params": list(model.head.parameters()), "lr": 0.001}]
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=groups, config=encoded,
+        optimizer=lambda params: deepspeed.ops.adam.FusedAdam(params, lr=0.01),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    x = torch.randn(2, dropin_script.FEATURES)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    out["groups_and_scheduler"] = [g["lr"] for g in optimizer.param_groups] == [0.005, 0.0005]
+    out["fused_adam"] = isinstance(optimizer.optimizer, deepspeed.ops.adam.FusedAdam)
+    engine.destroy()
+    # "auto": micro batch from a DataLoader, bucket sizes from the model's hidden size.
+    model = dropin_script.Net()
+    model.config = type("Config", (), {"hidden_size": 32})()
+    loader = torch.utils.data.DataLoader(dropin_script.dataset(), batch_size=3)
+    auto = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                  "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}
+    engine, _, data, _ = deepspeed.initialize(model=model, config=auto, training_data=loader,
+                                              optimizer=torch.optim.AdamW(model.parameters()))
+    resolved = engine.config
+    zero = resolved["zero_optimization"]
+    out["auto"] = (resolved["train_micro_batch_size_per_gpu"], resolved["train_batch_size"],
+                   resolved["gradient_clipping"], resolved["bf16"]["enabled"],
+                   zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+                   zero["stage3_param_persistence_threshold"], data.batch_size)
+    engine.destroy()
+    try:
+        deepspeed.initialize(model=dropin_script.Net(), config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+        out["unresolvable"] = "no error"
+    except ConfigError as err:
+        out["unresolvable"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def names():
+    from tests.harness import run_world
+
+    return run_world(2, _names)
+
+
+def test_initialize_argument_shapes_and_init_keywords(names):
+    for got in names:
+        assert got["init_partitioned"] and got["groups_and_scheduler"] and got["fused_adam"]
+
+
+def test_auto_values_resolve_as_documented(names):
+    for got in names:
+        # micro = the DataLoader's 3; total = 3 x 1 x 2 ranks; clipping 1.0; bf16 from an fp32
+        # model: off; h = 32: h^2, 0.9 h^2, 10 h.
+        assert got["auto"] == (3, 6, 1.0, False, 1024, 921, 320, 3)
+        assert "optimizer.params.lr" in got["unresolvable"] and "auto" in got["unresolvable"]

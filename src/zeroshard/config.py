@@ -6,8 +6,8 @@ and suggest the right spelling, one-line ``ConfigWarning``s for keys DeepSpeed a
 nothing here, and ``require_supported``, the one place that says what the engine cannot do yet.
 """
 
-import difflib
 import base64
+import difflib
 import json
 import os
 import sys
@@ -15,6 +15,8 @@ import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from .config_inert import INERT_KEYS, INERT_VALUES
 
 __all__ = [
     "ConfigError", "NotSupportedYetError", "ConfigWarning", "load_config", "require_supported",
@@ -301,7 +303,7 @@ class ZeroConfig(_Block):
         # Keys that are inert at this stage and still at their default are left out, so that
         # reloading the dict does not warn about keys the user never wrote.
         exclude: dict[str, Any] = {}
-        for path, key, fires, _ in _INERT_VALUES:
+        for path, key, fires, _ in INERT_VALUES:
             block = _block(self, path)
             value = getattr(block, key)
             if fires(value, self) and value == type(block).model_fields[key].default:
@@ -334,84 +336,6 @@ _ALIASES: dict[str, dict[str, str]] = {
         "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
     },
 }
-
-# -- Keys DeepSpeed accepts that do nothing here: the one list to edit when a feature lands.
-# Each warns once per load. Templates may use {full} (key path), {key} and {stage}.
-
-_NO_EFFECT = "{full} has no effect in zeroshard; ignored"
-
-# Keys that are not part of our schema at all; they are dropped after the warning.
-_INERT_KEYS: dict[str, dict[str, str]] = {
-    "": {k: _NO_EFFECT for k in (
-        "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-        "comet", "comms_logger", "amp", "sparse_attention", "pipeline", "elasticity",
-        "data_efficiency", "curriculum_learning", "compression_training", "autotuning",
-        "checkpoint", "data_types", "dump_state", "sparse_gradients", "memory_breakdown",
-        "disable_allgather", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop",
-        "quantize_training", "hybrid_engine", "nebula", "compile", "weight_quantization",
-        "torch_autocast", "graph_harvesting", "timers", "tensor_parallel",
-        "seq_parallel_communication_data_type")},
-    "fp16": {"fp16_master_weights_and_grads": _NO_EFFECT},
-    "bf16": {"immediate_grad_update": _NO_EFFECT},
-    "optimizer": {"legacy_fusion": _NO_EFFECT},
-    "zero_optimization": {k: _NO_EFFECT for k in (
-        "legacy_stage1", "cpu_offload_params", "cpu_offload_use_pin_memory",
-        "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
-        "zeropp_loco_param", "log_trace_cache_warnings", "pipeline_loading_checkpoint",
-        "override_module_apply")},
-}
-
-_STAGE3_ONLY = "{full} only applies to ZeRO stage 3; ignored at stage {stage} (no effect here)"
-
-
-# Fields of our schema that are stored but inert when fires(value, cfg) is true and the key was
-# written in the config: (block path, key, fires, message template).
-_INERT_VALUES: list[tuple[str, str, Any, str]] = [
-    *[("zero_optimization", k, lambda v, c: c.zero_optimization.stage < 3, _STAGE3_ONLY) for k in (
-        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
-        "stage3_gather_16bit_weights_on_model_save", "stage3_module_granularity_threshold",
-        "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "memory_efficient_linear",
-        "zeroshard_unit_classes", "zeroshard_desync_timeout")],
-    # Accepted at stage 3 but not implemented: unit modules, persistence and gathering are chosen
-    # by zeroshard's own rules (stage3_param_persistence_threshold, zeroshard_unit_classes).
-    *[("zero_optimization", k, lambda v, c: c.zero_optimization.stage == 3, _NO_EFFECT) for k in (
-        "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
-        "stage3_use_all_reduce_for_fetch_params", "memory_efficient_linear")],
-    ("zero_optimization", "offload_param",
-     lambda v, c: v is not None and v.device != "none" and c.zero_optimization.stage < 3,
-     "offload_param only applies to ZeRO stage 3; ignored at stage {stage} "
-     "({full} has no effect here)"),
-    ("zero_optimization", "offload_optimizer",
-     lambda v, c: v is not None and v.device != "none" and c.zero_optimization.stage == 0,
-     "offload_optimizer only applies to ZeRO stages 1-3; ignored at stage 0 "
-     "({full} has no effect here)"),
-    ("zero_optimization", "cpu_offload", lambda v, c: v is not None,
-     "{full} is a deprecated DeepSpeed key (true means zero_optimization.offload_optimizer.device="
-     "'cpu'); write offload_optimizer instead"),
-    ("zero_optimization", "round_robin_gradients", lambda v, c: v, _NO_EFFECT),
-    ("zero_optimization", "elastic_checkpoint", lambda v, c: v,
-     "{full} has no effect in zeroshard (checkpoints always reshard on load); ignored"),
-    ("zero_optimization", "zero_quantized_weights", lambda v, c: v, _NO_EFFECT),
-    ("zero_optimization", "zero_quantized_gradients", lambda v, c: v, _NO_EFFECT),
-    ("zero_optimization", "zero_hpz_partition_size", lambda v, c: v != 1, _NO_EFFECT),
-    ("zero_optimization", "mics_shard_size", lambda v, c: v > 0, _NO_EFFECT),
-    ("fp16", "auto_cast", lambda v, c: v,
-     "{full} has no effect in zeroshard (the engine already casts floating inputs to the "
-     "compute dtype); ignored"),
-    ("zero_optimization", "reduce_scatter", lambda v, c: not v,
-     "{full}=false has no effect: zeroshard always reduce-scatters gradients at stages 1-2 "
-     "(and all-reduces at stage 0); ignored"),
-    ("zero_optimization", "allgather_partitions", lambda v, c: not v,
-     "{full}=false has no effect: zeroshard always all-gathers updated shards; ignored"),
-    ("zero_optimization", "contiguous_gradients", lambda v, c: not v,
-     "{full}=false has no effect: zeroshard's gradients always live in contiguous flat "
-     "buffers; ignored"),
-    ("", "zero_allow_untested_optimizer", lambda v, c: v,
-     "{full} has no effect in zeroshard (any elementwise torch.optim optimizer is sharded); "
-     "ignored"),
-]
-
 
 def _block(cfg: ZeroConfig, path: str) -> BaseModel:
     for part in filter(None, path.split(".")):
@@ -467,7 +391,7 @@ def _check_keys(raw: dict, path: str, problems: list[str], inert: list[str]) -> 
     """Return raw with aliases renamed and inert keys dropped; note unknown keys in problems."""
     cls = _SCHEMA[path]
     aliases = _ALIASES.get(path, {})
-    inert_here = _INERT_KEYS.get(path, {})
+    inert_here = INERT_KEYS.get(path, {})
     out: dict = {}
     for key, value in raw.items():
         key = str(key)
@@ -592,7 +516,7 @@ def load_config(config: Any = None, world_size: int = 1) -> ZeroConfig:
     for message in inert:
         _warn(message)
     stage = cfg.zero_optimization.stage
-    for path, key, fires, template in _INERT_VALUES:
+    for path, key, fires, template in INERT_VALUES:
         block = _block(cfg, path)
         if key in block.model_fields_set and fires(getattr(block, key), cfg):
             _warn(template.format(full=_join(path, key), key=key, stage=stage))

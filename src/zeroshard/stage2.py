@@ -183,6 +183,10 @@ class Stage2(StagePolicy):
             self._launch_unit(self.units[index])
         while self.in_flight:
             self._land()
+        self._clear_backward()
+
+    def _clear_backward(self) -> None:
+        """Nothing pending: every unit waits for all its gradients again."""
         self.missing = {u.index: len(u.slots) for u in self.units}
         self.launched.clear()
         self.next_launch = 0
@@ -212,10 +216,7 @@ class Stage2(StagePolicy):
             del self.buffers[index]
             self._recycle(self.units[index])
         self.filled.clear()
-        self.missing = {u.index: len(u.slots) for u in self.units}
-        self.launched.clear()
-        self.next_launch = 0
-        self.callback_queued = False
+        self._clear_backward()
         self.zero_grad()
 
     def grad_tensors(self) -> list[torch.Tensor]:

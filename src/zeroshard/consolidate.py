@@ -19,17 +19,14 @@ import math
 import os
 import re
 import shutil
-import struct
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from .checkpoint import META, CheckpointError, SafeReader, quiet_dcp, resolve_tag
+from .safetensors_out import tensor_nbytes, write_safetensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def parse_size(text: str | int) -> int:
@@ -63,10 +60,6 @@ def _entries(path: str, reader: SafeReader):
     return out
 
 
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
 def _read_many(reader: SafeReader, entries) -> list[torch.Tensor]:
     """Read the listed (name, key, shape, dtype, ...) entries with one DCP load."""
     buffers = {}
@@ -95,7 +88,7 @@ def _read_runs(reader: SafeReader, entries):
     """Yield (entry, tensor) in order, reading a few tensors per DCP call: at most two of the
     largest tensors (and at least 16 MiB), so memory stays near the largest tensor while the
     reads stay few (one call per tensor measured 5x slower)."""
-    saved_size = lambda e: _nbytes(e[2], e[3])  # noqa: E731
+    saved_size = lambda e: tensor_nbytes(e[2], e[3])  # noqa: E731
     budget = max(2 * max(map(saved_size, entries), default=0), 16 * 2**20)
     for run in _runs(entries, budget, saved_size):
         yield from zip(run, _read_many(reader, run))
@@ -135,7 +128,7 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype
     entries = []
     for name, key, shape, saved_dtype in _entries(path, reader):
         out_dtype = target if saved_dtype.is_floating_point else saved_dtype
-        entries.append((name, key, shape, saved_dtype, out_dtype, _nbytes(shape, out_dtype)))
+        entries.append((name, key, shape, saved_dtype, out_dtype, tensor_nbytes(shape, out_dtype)))
     limit = parse_size(max_shard_size) if max_shard_size else None
     shards = list(_runs(entries, limit, lambda e: e[5]))
     os.makedirs(out_dir, exist_ok=True)
@@ -155,19 +148,6 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype
 
 
 def _write_safetensors(file: str, reader: SafeReader, entries) -> None:
-    """Header first (sizes are known), then each tensor's bytes, read a few at a time."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, _, shape, _, out_dtype, nbytes in entries:
-        header[name] = {"dtype": _ST_NAMES[out_dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    tmp = file + ".partial"
-    with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        for entry, tensor in _read_runs(reader, entries):
-            tensor = tensor.to(entry[4]).contiguous()
-            fh.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
-    os.replace(tmp, file)
+    """One output file: header from the recorded sizes, then the tensors read a few at a time."""
+    specs = [(name, shape, out_dtype) for name, _, shape, _, out_dtype, _ in entries]
+    write_safetensors(file, specs, (tensor for _, tensor in _read_runs(reader, entries)))

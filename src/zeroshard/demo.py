@@ -16,7 +16,6 @@ import argparse
 import gc
 import math
 import os
-import shutil
 import statistics
 import sys
 import sysconfig
@@ -234,46 +233,48 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
     torch.manual_seed(args.seed)
     model = TinyGPT(GPTConfig())
     psi = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    swap_dir = tempfile.mkdtemp(prefix="zeroshard-demo-")  # for the NVMe variant's swap files
-    zero = {k: dict(v, nvme_path=swap_dir) if isinstance(v, dict) and "nvme_path" in v else v
-            for k, v in VARIANTS[name].items()}
-    cfg = ds_config(zero, args.micro_batch, args.lr)
-    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
-    result = VariantResult(name)
-    zero = VARIANTS[name]
-    expected = model_states(psi, engine.world_size, zero["stage"], "fp32", "adamw",
-                            zero.get("offload_optimizer", {}).get("device", "none"),
-                            zero.get("offload_param", {}).get("device", "none"))
-    result.estimate = {kind: sum(by_place.values()) for kind, by_place in expected.items()}
-    block = model.cfg.block_size
-    for step in range(args.steps):
-        x, y = batch_for_step(data, step, engine.rank, engine.world_size, args.micro_batch,
-                              block, args.seed)
-        x, y = x.to(engine.device), y.to(engine.device)
-        start = time.perf_counter()
-        logits = engine(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        engine.backward(loss)
-        if step == args.steps - 1:  # gradients are at their largest between backward and step
-            paused = time.perf_counter()
-            report = engine.memory_report()
-            after_backward, device_backward = _held_bytes(report), _device_bytes(report)
-            start += time.perf_counter() - paused  # not part of the step time
-        engine.step()
-        if engine.device.type == "cuda":  # kernels are asynchronous: wait before reading the clock
-            torch.cuda.synchronize(engine.device)
-        result.step_ms.append((time.perf_counter() - start) * 1e3)
-        mean_loss = loss.detach().float().clone()
-        dist.all_reduce(mean_loss)
-        result.losses.append(mean_loss.item() / engine.world_size)
-        progress(name, step + 1, args.steps, result.losses[-1], statistics.median(result.step_ms))
-    report = engine.memory_report()
-    after_step = _held_bytes(report)
-    result.memory = {k: max(after_backward.get(k, 0), after_step.get(k, 0))
-                     for k in after_backward.keys() | after_step.keys()}
-    result.on_device = max(device_backward, _device_bytes(report))
-    engine.destroy()  # removes the swap files
-    shutil.rmtree(swap_dir, ignore_errors=True)
+    # For the NVMe variant's swap files; removed however the variant ends.
+    with tempfile.TemporaryDirectory(prefix="zeroshard-demo-",
+                                     ignore_cleanup_errors=True) as swap_dir:
+        zero = {k: dict(v, nvme_path=swap_dir) if isinstance(v, dict) and "nvme_path" in v else v
+                for k, v in VARIANTS[name].items()}
+        cfg = ds_config(zero, args.micro_batch, args.lr)
+        engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+        result = VariantResult(name)
+        zero = VARIANTS[name]
+        expected = model_states(psi, engine.world_size, zero["stage"], "fp32", "adamw",
+                                zero.get("offload_optimizer", {}).get("device", "none"),
+                                zero.get("offload_param", {}).get("device", "none"))
+        result.estimate = {kind: sum(by_place.values()) for kind, by_place in expected.items()}
+        block = model.cfg.block_size
+        for step in range(args.steps):
+            x, y = batch_for_step(data, step, engine.rank, engine.world_size, args.micro_batch,
+                                  block, args.seed)
+            x, y = x.to(engine.device), y.to(engine.device)
+            start = time.perf_counter()
+            logits = engine(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            engine.backward(loss)
+            if step == args.steps - 1:  # gradients are at their largest between backward and step
+                paused = time.perf_counter()
+                report = engine.memory_report()
+                after_backward, device_backward = _held_bytes(report), _device_bytes(report)
+                start += time.perf_counter() - paused  # not part of the step time
+            engine.step()
+            if engine.device.type == "cuda":  # kernels run asynchronously: wait for them
+                torch.cuda.synchronize(engine.device)
+            result.step_ms.append((time.perf_counter() - start) * 1e3)
+            mean_loss = loss.detach().float().clone()
+            dist.all_reduce(mean_loss)
+            result.losses.append(mean_loss.item() / engine.world_size)
+            progress(name, step + 1, args.steps, result.losses[-1],
+                     statistics.median(result.step_ms))
+        report = engine.memory_report()
+        after_step = _held_bytes(report)
+        result.memory = {k: max(after_backward.get(k, 0), after_step.get(k, 0))
+                         for k in after_backward.keys() | after_step.keys()}
+        result.on_device = max(device_backward, _device_bytes(report))
+        engine.destroy()  # removes the swap files
     del engine, model, logits, loss
     gc.collect()
     dist.barrier()

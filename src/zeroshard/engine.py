@@ -258,19 +258,16 @@ class Engine(nn.Module):
                 state = {k: v for k, v in state.items() if k not in frozen}
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
-            tmp = path + ".partial"
             if save_filename.endswith(".safetensors"):
-                from safetensors.torch import save_file
+                from .safetensors_out import write_safetensors
 
-                seen: set[int] = set()  # tied weights: safetensors wants one tensor per name
-                untied = {}
-                for name, tensor in state.items():
-                    untied[name] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
-                    seen.add(id(tensor))
-                save_file(untied, tmp, metadata={"format": "pt"})
+                # Tied weights appear under each of their names, as from_pretrained expects.
+                write_safetensors(path, [(n, list(t.shape), t.dtype) for n, t in state.items()],
+                                  state.values())
             else:
+                tmp = path + ".partial"
                 torch.save(state, tmp)
-            os.replace(tmp, path)  # never a half-written file under the final name
+                os.replace(tmp, path)  # never a half-written file under the final name
         self.comm.barrier()
         return True
 

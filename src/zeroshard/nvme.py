@@ -24,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .hostmem import byte_view
+
 #: Alignment of buffers, offsets and lengths for O_DIRECT (the largest common logical block).
 BLOCK = 4096
 #: Free space kept beyond the swap files themselves when checking nvme_path.
@@ -121,7 +123,7 @@ class SwapDir:
         try:
             if fd is not None and hasattr(os, "O_DIRECT"):
                 try:
-                    _pwrite(fd, memoryview(buf.numpy()), 0)
+                    _pwrite(fd, byte_view(buf), 0)
                     return True
                 except OSError:
                     pass
@@ -270,7 +272,7 @@ class AsyncIO:
         self.lock = threading.Lock()
 
     def _submit(self, op, fd: int, tensor: torch.Tensor, nbytes: int, what: str, on_done):
-        view = memoryview(tensor.view(torch.uint8).numpy())
+        view = byte_view(tensor.view(torch.uint8))
         futures = []
         for offset in range(0, nbytes, self.block):
             end = min(nbytes, offset + self.block)

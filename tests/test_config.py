@@ -8,6 +8,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 from zeroshard.config import (
     ConfigError,
@@ -232,6 +233,39 @@ BAD = [
     ({"zero_optimization": {"cpu_offload": True,
                             "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
      ["cpu_offload", "nvme"]),
+    # optimizer.params: checked for every type the engine builds from a config
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
+     ["optimizer.params.betas", "[0.9]", "two numbers"]),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99, 0.999]}}},
+     ["optimizer.params.betas", "[0.9, 0.99, 0.999]"]),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}},
+     ["optimizer.params.betas", "[0, 1)"]),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "1e-3"}}},
+     ["optimizer.params.lr", '"1e-3"', "expected a number"]),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, ["optimizer.params.lr", "-1"]),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}},
+     ["optimizer.params.lr", "auto", "initialize"]),
+    ({"optimizer": {"type": "Adam", "params": {"eps": -1e-8}}}, ["optimizer.params.eps", "-1e-08"]),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decay": "0.01"}}},
+     ["optimizer.params.weight_decay", '"0.01"']),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": "yes"}}},
+     ["optimizer.params.amsgrad", '"yes"']),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
+     ["optimizer.params.bias_correction", "false"]),
+    ({"optimizer": {"type": "Adam", "params": {"learning_rate": 1e-3}}},
+     ["optimizer.params.learning_rate", "Adam", "valid keys", "betas"]),
+    ({"optimizer": {"type": "AdamW", "params": {"beta": [0.9, 0.99]}}},
+     ["optimizer.params.beta", "'betas'"]),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": -0.9}}},
+     ["optimizer.params.momentum", "-0.9"]),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "nesterov": True}}},
+     ["optimizer.params.nesterov", "momentum"]),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}},
+     ["optimizer.params.betas", "SGD"]),
+    ({"optimizer": {"type": "Adagrad", "params": {"lr_decay": -1}}},
+     ["optimizer.params.lr_decay", "-1"]),
+    ({"optimizer": {"type": "Adagrad", "params": {"initial_accumulator_value": [0]}}},
+     ["optimizer.params.initial_accumulator_value", "[0]"]),
 ]
 
 
@@ -245,6 +279,34 @@ def test_malformed_config(config, expected):
     # pydantic's own wording and exception must never reach the user.
     assert "validation error" not in msg.lower() and "pydantic" not in msg.lower()
     assert err.value.__cause__ is None and err.value.__context__ is None
+
+
+def test_every_optimizer_problem_in_one_error():
+    with pytest.raises(ConfigError) as err:
+        load_config({"optimizer": {"type": "Adam", "params": {"lr": "1e-3", "betas": [0.9],
+                                                              "epsilon": 1e-8}}})
+    msg = str(err.value)
+    assert "3 problems" in msg
+    for text in ("optimizer.params.lr", "optimizer.params.betas", "optimizer.params.epsilon"):
+        assert text in msg
+
+
+@pytest.mark.parametrize("kind,params", [
+    ("Adam", {"lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1,
+              "amsgrad": True, "bias_correction": True, "adam_w_mode": False, "torch_adam": True}),
+    ("AdamW", {"lr": 0, "betas": (0.0, 0.5), "weight_decay": 0}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0, "nesterov": True, "weight_decay": 1e-4}),
+    ("Adagrad", {"lr": 0.01, "lr_decay": 0.0, "eps": 1e-10, "initial_accumulator_value": 0.1}),
+])
+def test_valid_optimizer_params_build(kind, params):
+    from zeroshard.optim import build_optimizer
+
+    cfg = load_quietly({"optimizer": {"type": kind, "params": params}})
+    built = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))])
+    group = built.param_groups[0]
+    for key, value in params.items():
+        if key in group:
+            assert group[key] == (tuple(value) if isinstance(value, list) else value), key
 
 
 def test_all_bad_keys_in_one_error():
@@ -407,6 +469,26 @@ def test_inert_key_warns_once(config, key):
     assert "\n" not in naming[0]
     assert "no effect" in naming[0] or "ignored" in naming[0]
     assert isinstance(cfg, ZeroConfig)
+
+
+def test_notice_is_printed_once_as_one_line_by_rank_0_only():
+    """What a user sees: loading the same config twice (Init, then initialize) prints each notice
+    once, as one line without a source line echoed, and only on rank 0."""
+    import subprocess
+
+    code = ("import zeroshard\n"
+            "for _ in range(2):\n"
+            "    zeroshard.load_config({'train_batch_size': 2, 'tensorboard': {'enabled': True}})\n")
+    printed = {}
+    for rank in ("0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+        res = subprocess.run([sys.executable, "-c", code], env=dict(env, RANK=rank),
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        printed[rank] = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(printed["0"]) == 1, printed["0"]
+    assert "ConfigWarning: tensorboard has no effect" in printed["0"][0]
+    assert printed["1"] == []
 
 
 def test_clean_config_does_not_warn():

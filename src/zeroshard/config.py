@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .config_inert import INERT_KEYS, INERT_VALUES
+from .config_optimizer import optimizer_param_problems
 
 __all__ = [
     "ConfigError", "NotSupportedYetError", "ConfigWarning", "load_config", "require_supported",
@@ -461,8 +462,26 @@ def _raise(problems: list[str]) -> None:
                       + "\n  - ".join(problems))
 
 
-def _warn(message: str, stacklevel: int = 3) -> None:
-    warnings.warn(message, ConfigWarning, stacklevel=stacklevel)
+def _warn(message: str) -> None:
+    """One line per notice, once per process, from rank 0 only: every rank reads the same config.
+
+    Issued with an explicit location ("zeroshard config") so that Python prints the message alone
+    instead of echoing a source line of ours, and repeats of the same notice (Init and initialize
+    both load the config) are shown once.
+    """
+    if _rank() != 0:
+        return
+    warnings.warn_explicit(message, ConfigWarning, "zeroshard config", 0, module="zeroshard.config",
+                           registry=globals().setdefault("__warningregistry__", {}))
+
+
+def _rank() -> int:
+    """This process's rank (torchrun's RANK before the process group exists), 0 alone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def _resolve_batch(tbs: int | None, micro: int | None, gas: int | None,
@@ -491,7 +510,7 @@ def _resolve_batch(tbs: int | None, micro: int | None, gas: int | None,
     if micro is None and gas is None:
         _warn(f"no batch size given (train_batch_size, train_micro_batch_size_per_gpu, "
               f"gradient_accumulation_steps); using micro batch 1, accumulation 1, "
-              f"train_batch_size {world_size} (= world size)", stacklevel=4)
+              f"train_batch_size {world_size} (= world size)")
     micro, gas = micro or 1, gas or 1
     return micro * gas * world_size, micro, gas
 
@@ -508,6 +527,9 @@ def load_config(config: Any = None, world_size: int = 1) -> ZeroConfig:
         cfg = ZeroConfig.model_validate(cleaned)
     except ValidationError as e:
         problems.extend(_explain(e))
+    else:
+        if cfg.optimizer is not None:
+            problems.extend(optimizer_param_problems(cfg.optimizer.type, cfg.optimizer.params))
     if problems:
         _raise(problems)
     tbs, micro, gas = _resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,

@@ -265,6 +265,7 @@ def build_optimizer(spec, params) -> torch.optim.Optimizer:
     """Build a torch optimizer from the config's `optimizer` block, with DeepSpeed's meanings."""
     kind = spec.type.lower()
     hp = dict(spec.params)
+    hp.pop("bias_correction", None)  # only true passes the config check: torch always corrects
     if kind == "adam":
         # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false.
         adam_w_mode = hp.pop("adam_w_mode", True)

@@ -200,6 +200,14 @@ def test_estimate_and_plan_are_commands(capsys):
     assert "| stage 3 |" in capsys.readouterr().out
 
 
+def test_help_describes_every_demo_variant(capsys):
+    """The top-level help names what the demo really runs: stages 0-3 and both offload tiers."""
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    demo_line = next(line for line in out.splitlines() if line.strip().startswith("demo"))
+    assert "0-3" in demo_line and "CPU" in demo_line and "NVMe" in out
+
+
 def test_version_and_demo_usage_errors(capsys):
     """--version prints the version; an unknown demo stage is a usage error."""
     assert cli.main(["--version"]) == 0

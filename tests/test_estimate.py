@@ -207,6 +207,29 @@ def test_cli_estimate_from_a_model_factory():
     assert json.loads(res.stdout)["params"] == psi
 
 
+def _console_script(*args, cwd):
+    """The installed `zeroshard` command (unlike `python -m`, it does not put cwd on sys.path)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "zeroshard")
+    command = [exe] if os.path.exists(exe) else [sys.executable, "-m", "zeroshard.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_cli_estimate_imports_a_model_module_from_the_current_directory(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(10, 3)\n")
+    res = _console_script("estimate", "--model", "mymodels:build", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["params"] == 10 * 3 + 3
+
+
+def test_plan_without_out_says_where_it_wrote(tmp_path):
+    res = _console_script("plan", "--params", "1B", "--gpus", "8", "--gpu-mem", "80GB", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    written = tmp_path / "ds_config.plan.json"
+    assert written.is_file()
+    assert f"config written to {written}" in res.stdout and "--out" in res.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (("--params", "-1"), "must be a positive number"),
     (("--params", "lots"), "give a count such as 7.5e9"),

@@ -106,8 +106,8 @@ def _top_level(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     sub.add_parser("run", help="launch a training script on N ranks (torchrun options accepted)",
                    add_help=False)
-    sub.add_parser("demo", help="train a tiny GPT at ZeRO stages 0/1/2 and print measured memory",
-                   add_help=False)
+    sub.add_parser("demo", help="train a small GPT at ZeRO stages 0-3 and with CPU / NVMe "
+                   "offload; print the memory each one measured", add_help=False)
     sub.add_parser("estimate", help="per-GPU memory of each ZeRO stage and offload (the ZeRO "
                    "paper's formulas)", add_help=False)
     sub.add_parser("plan", help="the least-communication configuration that fits your hardware, "

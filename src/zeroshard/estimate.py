@@ -24,7 +24,9 @@ paper's 4 Psi in fp16 for one GPU).
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 GB = 1e9
@@ -232,6 +234,8 @@ def model_from_spec(spec: str):
     if ":" not in spec:
         raise ValueError(f"--model {spec!r}: give module:factory, e.g. mypkg.models:build_gpt")
     module_name, _, attr = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: a module beside the user's files
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

@@ -132,7 +132,7 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--nvme-path", default="/local_nvme", help="nvme_path written to the config")
     parser.add_argument("--reserve", type=float, default=0.1,
                         help="fraction of GPU and CPU memory kept free (default 0.1)")
-    parser.add_argument("--out", default="ds_config.plan.json",
+    parser.add_argument("--out", default=None,
                         help="where the recommended config goes (default ds_config.plan.json)")
     parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     args = parser.parse_args(argv)
@@ -142,9 +142,12 @@ def plan_main(argv: list[str]) -> int:
     print(result.report())
     if result.config is None:
         return 1
+    chosen = args.out is not None
+    args.out = os.path.abspath(args.out or "ds_config.plan.json")
     if os.path.exists(args.out) and not args.force:
         raise ValueError(f"--out {args.out} exists; pass --force to overwrite it or choose "
                          "another path")
     write_config(result.config, args.out)
-    print(f"config written to {args.out}")
+    print(f"config written to {args.out}" +
+          ("" if chosen else " (the default; --out PATH writes it elsewhere)"))
     return 0

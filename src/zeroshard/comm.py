@@ -7,8 +7,10 @@ all-reduce twice that. `comm_report()` returns the cumulative counts.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from collections import defaultdict
 
 import torch
@@ -71,6 +73,28 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
                               timeout=timeout or datetime.timedelta(minutes=30))
         kwargs["store"] = dist.PrefixStore(f"zeroshard/attempt_{restart}", store)
     dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+    leave_cleanly_at_exit()
+
+
+def leave_cleanly_at_exit() -> None:
+    """Have the process groups destroyed at interpreter exit, before Python finalizes (idempotent).
+
+    A gloo worker thread that finishes a collective after the interpreter began finalizing drops
+    the last reference to the collective's tensors, needs the GIL to free them, and aborts the
+    whole process ("terminate called without an active exception"; seen once in about 35 two-rank
+    launches): a completed run then reports failure. Destroying the groups at exit joins those
+    threads while Python is still whole. After an uncaught exception nothing is done, so a
+    failing rank still leaves at once instead of waiting on its peers.
+    """
+    atexit.unregister(_destroy_at_exit)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None:  # set by an uncaught exception
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _slurm_master() -> str | None:
@@ -172,6 +196,7 @@ class Comm:
     """
 
     def __init__(self, group=None):
+        leave_cleanly_at_exit()  # also when the user, not zeroshard, started the process group
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

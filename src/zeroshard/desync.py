@@ -16,6 +16,7 @@ saying who was missing. Cost: one 24-byte all-gather per unit collective; 0 disa
 from __future__ import annotations
 
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,16 @@ class OrderGuard:
         self.timeout_s = timeout_s
         self.enabled = comm.world_size > 1 and timeout_s > 0
         self.count = 0
-        self.group = None
+        # The side group's one strong reference; the finalizer destroys the group (joining its
+        # worker threads) when the guard goes away or, at the latest, at interpreter exit: a gloo
+        # thread still alive while Python finalizes can abort the process (see comm.py).
+        self._group: list = []
         if self.enabled:
             # Every rank creates the side group at the same point of engine construction.
-            self.group = dist.new_group(backend="gloo", ranks=list(range(comm.world_size))
-                                        if comm.group is None else comm._ranks,
-                                        timeout=datetime.timedelta(seconds=timeout_s))
+            self._group.append(dist.new_group(backend="gloo", ranks=list(range(comm.world_size))
+                                              if comm.group is None else comm._ranks,
+                                              timeout=datetime.timedelta(seconds=timeout_s)))
+            weakref.finalize(self, _destroy_group, self._group)
 
     def check(self, kind: str, unit: int = -1) -> None:
         """Raise DesyncError unless every rank is about to do the same (`kind`, `unit`)."""
@@ -53,7 +58,7 @@ class OrderGuard:
         mine = torch.tensor([KINDS.index(kind), unit, self.count], dtype=torch.int64)
         every = torch.empty(self.comm.world_size * 3, dtype=torch.int64)
         try:
-            _ALL_GATHER(every, mine, group=self.group)
+            _ALL_GATHER(every, mine, group=self._group[0])
         except RuntimeError as err:
             raise DesyncError(
                 f"rank {self.comm.rank} waited {self.timeout_s:g}s before its stage-3 collective "
@@ -75,3 +80,13 @@ class OrderGuard:
         if unit < 0:
             return kind
         return f"{kind} of {self.describe(unit)}"
+
+
+def _destroy_group(holder: list) -> None:
+    """Destroy the side group in `holder` (if torch still knows it) and drop the reference."""
+    if holder and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group(holder[0])
+        except (ValueError, RuntimeError):
+            pass  # already destroyed with the default group
+    holder.clear()

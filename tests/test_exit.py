@@ -1,0 +1,60 @@
+"""A training script that just ends leaves cleanly: zeroshard destroys the process groups (joining
+gloo's worker threads) at exit, before Python finalizes, so no worker thread can abort the process
+while the interpreter shuts down; after an uncaught exception it leaves them alone and the rank dies
+at once. `bench/exit_loop.py` repeats two-rank launches to show the abort is gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# The probe is registered first, so it runs last among the exit hooks (they run in reverse).
+SCRIPT = textwrap.dedent("""
+    import atexit, os, sys
+    import torch.distributed as dist
+
+    def probe():
+        threads = len(os.listdir("/proc/self/task"))
+        print(f"at exit: initialized={dist.is_initialized()} threads={threads}", flush=True)
+
+    atexit.register(probe)
+    import torch
+    import zeroshard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    engine.backward(engine(torch.randn(2, 8)).square().mean())
+    engine.step()
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the user's script failed")
+""")
+
+
+def _run(tmp_path, how: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                          timeout=120, env=dict(env, ZEROSHARD_QUIET="1", OMP_NUM_THREADS="1"))
+
+
+def test_a_script_that_just_ends_destroys_the_groups_before_python_finalizes(tmp_path):
+    res = _run(tmp_path, "end")
+    assert res.returncode == 0, res.stderr[-2000:]
+    # Every process group (the default one and the stage-3 side group) is gone and its threads
+    # joined: only the main thread is left when the interpreter starts finalizing.
+    assert "at exit: initialized=False threads=1" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("how", ["raise"])
+def test_an_uncaught_exception_leaves_the_groups_alone(tmp_path, how):
+    res = _run(tmp_path, how)
+    assert res.returncode == 1 and "the user's script failed" in res.stderr
+    assert "at exit: initialized=True" in res.stdout, res.stdout

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -95,7 +96,12 @@ def _refusals(rank, world, root):
     """Bad input at save and load: named errors, nothing written or loaded."""
     out = {}
     engine, _ = _engine(2, world)
-    out["empty"] = engine.load_checkpoint(os.path.join(root, "nothing-here"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["empty"] = engine.load_checkpoint(os.path.join(root, "nothing-here"))
+        os.makedirs(os.path.join(root, "no-latest"), exist_ok=True)
+        out["no_latest"] = engine.load_checkpoint(os.path.join(root, "no-latest"))
+    out["warnings"] = [str(w.message) for w in caught if "zeroshard:" in str(w.message)]
     try:
         engine.save_checkpoint(root, tag="bad", client_state={"fn": _adam})
         out["client"] = None
@@ -104,6 +110,11 @@ def _refusals(rank, world, root):
     out["bad_written"] = os.path.exists(os.path.join(root, "bad"))
     engine.save_checkpoint(root, tag="good")
     good = os.path.join(root, "good")
+    try:
+        engine.load_checkpoint(root, tag="no-such-tag")
+        out["missing_tag"] = None
+    except CheckpointError as err:
+        out["missing_tag"] = str(err)
     for case, damage in (("truncated", _truncate), ("unsafe", _evil_metadata),
                          ("no_meta", _drop_meta)):
         copy = os.path.join(root, case)
@@ -239,11 +250,23 @@ def test_data_sampler_epoch_is_restored(world2):
 
 def test_bad_checkpoints_are_refused_by_name(world2):
     for got in (r["refusals"] for r in world2):
-        assert got["empty"] == (None, None)
+        assert got["empty"] == (None, None) and got["no_latest"] == (None, None)
         assert "client_state can only hold" in got["client"] and not got["bad_written"]
         assert "checkpoint file truncated" in got["truncated"] and "__1_0.distcp" in got["truncated"]
         assert "refusing to load posix.system" in got["unsafe"] and not got["marker"]
         assert "checkpoint file missing" in got["no_meta"] and "zeroshard.json" in got["no_meta"]
+
+
+def test_nothing_to_load_warns_with_the_directory(world2):
+    for got in (r["refusals"] for r in world2):
+        missing, no_latest = got["warnings"]  # one each, nothing else from zeroshard
+        assert os.path.join("refusals", "nothing-here") in missing and "does not exist" in missing
+        assert os.path.join("refusals", "no-latest") in no_latest and "no 'latest' file" in no_latest
+
+
+def test_an_explicit_missing_tag_is_an_error(world2):
+    for got in (r["refusals"] for r in world2):
+        assert "no-such-tag" in got["missing_tag"] and "does not exist" in got["missing_tag"]
 
 
 # -- all or nothing: a damaged file, seen by one rank only --------------------------------------

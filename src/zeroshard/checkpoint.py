@@ -319,6 +319,18 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
         return fh.read().strip()
 
 
+def _find_tag(load_dir: str, tag: str | None) -> str | None:
+    """`resolve_tag`, warning (as DeepSpeed logs) when there is nothing to load: a misspelt
+    directory would otherwise start training from scratch without a word."""
+    found = resolve_tag(load_dir, tag)
+    if found is None:
+        why = "does not exist" if not os.path.isdir(load_dir) else \
+            f"has no '{LATEST}' file (pass tag= to load a checkpoint without one)"
+        warnings.warn(f"zeroshard: checkpoint directory {load_dir} {why}; nothing was loaded",
+                      stacklevel=4)  # the caller of engine.load_checkpoint
+    return found
+
+
 def load_checkpoint(engine, load_dir: str, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False):
@@ -326,11 +338,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
 
     All or nothing: each rank verifies the files it will read (`_check`) and every rank learns
     every rank's verdict before anything is written; if any rank's check failed, every rank
-    raises CheckpointError and nothing changed. `(None, None)` when `load_dir` has no `latest`
-    and no tag was given. Checkpoints saved without recorded checksums (older zeroshard) load
-    with the size checks only.
+    raises CheckpointError and nothing changed. `(None, None)`, with a warning, when `load_dir`
+    does not exist or has no `latest` and no tag was given. Checkpoints saved without recorded
+    checksums (older zeroshard) load with the size checks only.
     """
-    tag = resolve_tag(load_dir, tag)
+    tag = _find_tag(load_dir, tag)
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)

@@ -1,14 +1,18 @@
 """Sharded checkpoints: exact resume at every stage, resharding to other world sizes and stages,
-refusal of unsafe / truncated / incomplete checkpoints, and a save killed half-way."""
+refusal of unsafe / truncated / incomplete / corrupt checkpoints (all or nothing, on every rank),
+and a save killed half-way."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import random
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ import torch.distributed as dist
 
 import zeroshard
 from zeroshard.checkpoint import CheckpointError
+from zeroshard.checkpoint_verify import file_digest, seal
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice, reference_run
 
@@ -91,7 +96,12 @@ def _refusals(rank, world, root):
     """Bad input at save and load: named errors, nothing written or loaded."""
     out = {}
     engine, _ = _engine(2, world)
-    out["empty"] = engine.load_checkpoint(os.path.join(root, "nothing-here"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["empty"] = engine.load_checkpoint(os.path.join(root, "nothing-here"))
+        os.makedirs(os.path.join(root, "no-latest"), exist_ok=True)
+        out["no_latest"] = engine.load_checkpoint(os.path.join(root, "no-latest"))
+    out["warnings"] = [str(w.message) for w in caught if "zeroshard:" in str(w.message)]
     try:
         engine.save_checkpoint(root, tag="bad", client_state={"fn": _adam})
         out["client"] = None
@@ -100,6 +110,11 @@ def _refusals(rank, world, root):
     out["bad_written"] = os.path.exists(os.path.join(root, "bad"))
     engine.save_checkpoint(root, tag="good")
     good = os.path.join(root, "good")
+    try:
+        engine.load_checkpoint(root, tag="no-such-tag")
+        out["missing_tag"] = None
+    except CheckpointError as err:
+        out["missing_tag"] = str(err)
     for case, damage in (("truncated", _truncate), ("unsafe", _evil_metadata),
                          ("no_meta", _drop_meta)):
         copy = os.path.join(root, case)
@@ -129,10 +144,18 @@ class _Evil:
 
 
 def _evil_metadata(path):
+    """A hostile .metadata whose checksum is recorded too (whoever can write one file can write
+    zeroshard.json as well): the unpickler's allow-list must refuse it."""
     evil = _Evil()
     evil.path = path
     with open(os.path.join(path, ".metadata"), "wb") as fh:
         pickle.dump(evil, fh)
+    meta_path = os.path.join(path, "zeroshard.json")
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    meta["files"][".metadata"] = file_digest(os.path.join(path, ".metadata"))
+    with open(meta_path, "w") as fh:
+        json.dump(seal(meta), fh)
 
 
 def _drop_meta(path):
@@ -178,6 +201,7 @@ def _sampler_epoch(rank, world, root):
 def _world2(rank, world, root):
     out = {stage: _resume(rank, world, stage, os.path.join(root, f"s{stage}")) for stage in range(4)}
     out["refusals"] = _refusals(rank, world, os.path.join(root, "refusals"))
+    out["all_or_nothing"] = _all_or_nothing(rank, world, os.path.join(root, "aon"))
     out["sampler"] = _sampler_epoch(rank, world, os.path.join(root, "sampler"))
     for stage in (2, 3):
         out[f"bf16-{stage}"] = _resume(rank, world, stage, os.path.join(root, f"b{stage}"), True)
@@ -226,11 +250,172 @@ def test_data_sampler_epoch_is_restored(world2):
 
 def test_bad_checkpoints_are_refused_by_name(world2):
     for got in (r["refusals"] for r in world2):
-        assert got["empty"] == (None, None)
+        assert got["empty"] == (None, None) and got["no_latest"] == (None, None)
         assert "client_state can only hold" in got["client"] and not got["bad_written"]
         assert "checkpoint file truncated" in got["truncated"] and "__1_0.distcp" in got["truncated"]
         assert "refusing to load posix.system" in got["unsafe"] and not got["marker"]
         assert "checkpoint file missing" in got["no_meta"] and "zeroshard.json" in got["no_meta"]
+
+
+def test_nothing_to_load_warns_with_the_directory(world2):
+    for got in (r["refusals"] for r in world2):
+        missing, no_latest = got["warnings"]  # one each, nothing else from zeroshard
+        assert os.path.join("refusals", "nothing-here") in missing and "does not exist" in missing
+        assert os.path.join("refusals", "no-latest") in no_latest and "no 'latest' file" in no_latest
+
+
+def test_an_explicit_missing_tag_is_an_error(world2):
+    for got in (r["refusals"] for r in world2):
+        assert "no-such-tag" in got["missing_tag"] and "does not exist" in got["missing_tag"]
+
+
+# -- all or nothing: a damaged file, seen by one rank only --------------------------------------
+
+def _flip(path):
+    """Invert 8 bytes in the middle of the file: same size, different content."""
+    with open(path, "r+b") as fh:
+        data = bytearray(fh.read())
+        middle = len(data) // 2
+        data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+        fh.seek(0)
+        fh.write(data)
+
+
+def _edit_json(path):
+    """A same-size edit that still parses: a saved counter changes from 3 to 7."""
+    with open(path) as fh:
+        text = fh.read()
+    assert '"global_steps": 3,' in text
+    with open(path, "w") as fh:
+        fh.write(text.replace('"global_steps": 3,', '"global_steps": 7,'))
+
+
+# case -> (file of tag global_step3, the only rank whose view of the checkpoint is damaged, how)
+DAMAGE = {
+    "metadata": (".metadata", 0, _flip),
+    "distcp-0": ("__0_0.distcp", 0, _flip),
+    "distcp-1": ("__1_0.distcp", 1, _flip),
+    "json": ("zeroshard.json", 1, _edit_json),
+    "rng-1": ("rng-rank1.pt", 1, _flip),
+    "client": ("client_state.pt", 1, _flip),
+}
+
+
+def _snapshot(engine, model):
+    """Everything a load writes: whole parameters, masters, optimizer state, counters, LR and
+    scheduler, loss scaler, RNGs (cloned)."""
+    opt = engine.optimizer
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        params = [p.detach().clone() for p in model.parameters()]
+    masters = [opt.placement.tensors(unit)[0].clone() for unit in opt.units]
+    state = [(k, v.clone() if torch.is_tensor(v) else v) for s in opt.state.values()
+             for k, v in s.items()]
+    counters = (engine.global_steps, engine.global_samples, engine.micro_steps,
+                engine.skipped_steps, opt.steps)
+    return {"params": params, "masters": masters, "state": state, "counters": counters,
+            "lr": [g["lr"] for g in opt.param_groups], "scheduler": engine.lr_scheduler.state_dict(),
+            "scaler": engine.scaler.state_dict(), "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate()}
+
+
+def _same(a, b) -> list[str]:
+    """The snapshot fields that differ (bitwise)."""
+    def equal(x, y):
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, (list, tuple)):
+            return isinstance(y, (list, tuple)) and len(x) == len(y) and all(map(equal, x, y))
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
+        return x == y
+    return [key for key in a if not equal(a[key], b[key])]
+
+
+def _all_or_nothing(rank, world, root):
+    """Save at step 3, train on to step 5, then load copies of the checkpoint in which one file
+    is damaged in one rank's view only (each rank loads its own copy): every rank must raise
+    naming the file and the rank, and nothing may change. Then the good checkpoint loads."""
+    batches = make_batches(5, GLOBAL)
+    engine, model = _engine(3, world, scheduler=True)
+    _train(engine, batches[:3], rank, world)
+    saved = os.path.join(root, "saved")
+    at_save = _snapshot(engine, model)
+    engine.save_checkpoint(saved)
+    _train(engine, batches[3:], rank, world)  # the live state now differs from the checkpoint's
+    torch.manual_seed(4321 + rank)
+    random.seed(4321 + rank)
+    before = _snapshot(engine, model)
+    out = {"moved_on": _same(at_save, before)}
+    for case, (name, victim, damage) in DAMAGE.items():
+        view = os.path.join(root, case, f"view{rank}")
+        shutil.copytree(saved, view)
+        if rank == victim:
+            damage(os.path.join(view, "global_step3", name))
+        try:
+            engine.load_checkpoint(view)
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+        out[case] = {"error": error, "changed": _same(before, _snapshot(engine, model))}
+    path, client = engine.load_checkpoint(saved)
+    out["good"] = {"changed": _same(at_save, _snapshot(engine, model)), "path": path,
+                   "client": client}
+    if rank == 0:  # a checkpoint saved before checksums: no record in zeroshard.json
+        shutil.copytree(os.path.join(saved, "global_step3"), os.path.join(root, "legacy", "old"))
+        meta_path = os.path.join(root, "legacy", "old", "zeroshard.json")
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        del meta["files"], meta["content_sha256"]
+        with open(meta_path, "w") as fh:
+            json.dump(meta, fh, indent=1)
+    dist.barrier()
+    _train(engine, batches[3:], rank, world)
+    engine.load_checkpoint(os.path.join(root, "legacy"), tag="old")
+    out["legacy"] = _same(at_save, _snapshot(engine, model))
+    with open(os.path.join(saved, "global_step3", "zeroshard.json")) as fh:
+        out["files"] = json.load(fh)["files"]
+    out["sizes"] = {n: os.path.getsize(os.path.join(saved, "global_step3", n)) for n in out["files"]}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_file_fails_the_load_on_every_rank_and_changes_nothing(world2, case):
+    name, victim, _ = DAMAGE[case]
+    for rank, got in enumerate(r["all_or_nothing"] for r in world2):
+        assert got["moved_on"], "the live state must differ from the checkpoint's"
+        error, changed = got[case]["error"], got[case]["changed"]
+        assert error is not None, f"rank {rank} loaded a damaged {name}"
+        assert changed == [], f"rank {rank}: the failed load changed {changed}"
+        damaged = os.path.join(f"view{victim}", "global_step3", name)
+        assert f"rank {victim}: checkpoint file " in error and damaged in error, error
+        assert "is corrupt" in error and "\n" not in error, error
+        assert f"rank {1 - victim}" not in error, error  # its own copy is intact
+
+
+def test_a_good_load_after_failed_ones_restores_the_checkpoint(world2):
+    for got in (r["all_or_nothing"] for r in world2):
+        assert got["good"]["changed"] == [] and got["good"]["client"] == {}
+        assert got["good"]["path"].endswith(os.path.join("saved", "global_step3"))
+
+
+def test_a_checkpoint_without_checksums_still_loads(world2):
+    assert all(r["all_or_nothing"]["legacy"] == [] for r in world2)
+
+
+def test_checksums_cover_every_byte_the_load_reads(world2):
+    got = world2[0]["all_or_nothing"]
+    files, sizes = got["files"], got["sizes"]
+    assert set(files) == {".metadata", "__0_0.distcp", "__1_0.distcp", "client_state.pt",
+                          "rng-rank0.pt", "rng-rank1.pt"}
+    for name, record in files.items():
+        assert record["bytes"] == sizes[name]
+        if name.endswith(".distcp"):  # one digest per tensor fragment, tiling the file
+            ends = [0] + [offset + length for offset, length, _ in record["ranges"]]
+            assert [offset for offset, _, _ in record["ranges"]] == ends[:-1]
+            assert ends[-1] == sizes[name] and len(record["ranges"]) > 1
+        else:
+            assert len(record["sha256"]) == 64
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +531,46 @@ def test_consolidate_errors_are_one_line(tmp_path, capsys):
 
     assert cli.main(["consolidate", str(tmp_path / "none"), str(tmp_path / "out")]) == 2
     assert "has no 'latest' file" in capsys.readouterr().err
+
+
+def _flip_range(path, key_prefix):
+    """Flip bytes inside the first stored fragment of __1_0.distcp whose key starts with
+    `key_prefix`; returns the file."""
+    from zeroshard.checkpoint import SafeReader
+
+    storage = SafeReader(str(path)).read_metadata().storage_data
+    index, info = next((i, v) for i, v in storage.items() if i.fqn.startswith(key_prefix)
+                       and str(v.relative_path) == "__1_0.distcp")
+    file = path / "__1_0.distcp"
+    with open(file, "r+b") as fh:
+        fh.seek(info.offset + info.length // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    return str(file)
+
+
+def test_consolidate_verifies_the_bytes_it_reads(stage3_checkpoint, tmp_path, capsys):
+    from zeroshard import cli
+
+    root, live = stage3_checkpoint
+    for case, prefix in (("weights", "model."), ("optimizer", "optim.")):
+        copy = tmp_path / case
+        shutil.copytree(root / "ckpt", copy)
+        tag = (copy / "latest").read_text()
+        file = _flip_range(copy / tag, prefix)
+        code = cli.main(["consolidate", str(copy), str(tmp_path / f"out-{case}")])
+        err = capsys.readouterr().err
+        if case == "weights":
+            assert code == 2 and f"checkpoint file {file} is corrupt: sha256" in err, err
+            assert len(err.strip().splitlines()) == 1, err
+            assert not (tmp_path / f"out-{case}" / "model.safetensors").exists()
+        else:  # consolidation reads no optimizer state: a damaged moment is not its concern
+            assert code == 0, err
+            from safetensors.torch import load_file
+
+            got = load_file(tmp_path / f"out-{case}" / "model.safetensors")
+            assert all(torch.equal(got[k], live[k]) for k in live)
 
 
 def _save_many_tensors(rank, world, root):

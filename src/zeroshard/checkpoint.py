@@ -16,9 +16,13 @@ every rank is done; `save_dir/latest` is replaced last, atomically):
   back with `torch.load(weights_only=True)`; a `client_state` that cannot be read back that way is
   refused when saving.
 
-Loading never unpickles arbitrary objects: DCP's `.metadata` goes through an unpickler that only
-admits DCP's own metadata classes. Before anything is read, every file the metadata names is
-checked to exist and be long enough; a missing or truncated file is an error naming it.
+Loading is all or nothing. Every rank first checks every file its load will read (see
+`checkpoint_verify`: sizes, SHA-256 digests recorded at save time, an allow-listed unpickler for
+DCP's `.metadata`, `weights_only` reads of the small files, which are read into memory then), and
+the ranks exchange their verdicts. Only when every rank's checks passed is anything written:
+parameters, optimizer state, counters, LR scheduler, RNG. Otherwise every rank raises
+`CheckpointError` naming the file and the rank that found the problem. Checkpoints saved before
+digests were recorded load with the size checks alone.
 """
 
 from __future__ import annotations
@@ -27,29 +31,29 @@ import contextlib
 import io
 import json
 import os
-import pickle
 import random
 import shutil
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-FORMAT = 1
+from .checkpoint_verify import (CheckpointError, SafeReader, agree, gather_digests, owner,
+                                read_meta, seal, torch_load_verified)
+
+__all__ = ["CheckpointError", "SafeReader", "load_checkpoint", "quiet_dcp", "resolve_tag",
+           "save_checkpoint"]
+
+FORMAT = 1  # "files" and "content_sha256" were added without a bump: older readers ignore them
 META = "zeroshard.json"
 CLIENT = "client_state.pt"
+CONFIG = "config.json"
 LATEST = "latest"
-
-# What DCP's .metadata pickle may reference (torch 2.4-2.13); anything else is refused.
-_ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_REFUSED = {"BytesStorageMetadata"}  # non-tensor payloads would be unpickled on load
 
 
 @contextlib.contextmanager
@@ -60,74 +64,6 @@ def quiet_dcp():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single.*")
         yield
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this model."""
-
-
-# -- safe reading ------------------------------------------------------------------------------
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _ALLOWED_GLOBALS or dtype or \
-                (module in _ALLOWED_MODULES and name not in _REFUSED):
-            return super().find_class(module, name)
-        raise CheckpointError(f"refusing to load {module}.{name} from checkpoint metadata: only "
-                              "DCP's own metadata classes are allowed (the file may be tampered)")
-
-
-class SafeReader(FileSystemReader):
-    """DCP reader whose metadata is unpickled with an allow-list and whose files are checked."""
-
-    def read_metadata(self, *args, **kwargs):
-        """Read `.metadata` admitting only DCP metadata classes; verify every data file."""
-        cached = getattr(self, "_checked_metadata", None)
-        if cached is not None:  # one reader serves several loads (consolidation)
-            return cached
-        self._checked_metadata = self._read_checked()
-        return self._checked_metadata
-
-    def _read_checked(self):
-        path = os.path.join(self.path, ".metadata")
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint file missing: {path}")
-        with open(path, "rb") as fh:
-            try:
-                metadata = _MetadataUnpickler(fh).load()
-            except CheckpointError:
-                raise
-            except Exception as err:  # truncated or not a pickle at all
-                raise CheckpointError(f"checkpoint file {path} is unreadable ({err})") from None
-        if type(metadata).__name__ != "Metadata":
-            raise CheckpointError(f"{path} does not hold DCP metadata")
-        needed: dict[str, int] = {}
-        for info in metadata.storage_data.values():
-            rel = str(info.relative_path)
-            needed[rel] = max(needed.get(rel, 0), info.offset + info.length)
-        for rel, size in sorted(needed.items()):
-            file = os.path.join(self.path, rel)
-            if not os.path.isfile(file):
-                raise CheckpointError(f"checkpoint file missing: {file}")
-            if os.path.getsize(file) < size:
-                raise CheckpointError(f"checkpoint file truncated: {file} has "
-                                      f"{os.path.getsize(file)} bytes, the metadata needs {size}")
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _safe_torch_load(path: str):
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file missing: {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint file {path} is unreadable or unsafe ({err})") from None
 
 
 # -- fragments ---------------------------------------------------------------------------------
@@ -262,11 +198,26 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
     for name, buf in engine.module.named_buffers():
         state[f"buffer.{name}"] = buf.detach()
     with quiet_dcp():
-        dcp.save(state, storage_writer=FileSystemWriter(partial))
-    torch.save(_rng_state(), os.path.join(partial, f"rng-rank{rank}.pt"))
+        saved = dcp.save(state, storage_writer=FileSystemWriter(partial))
+    rng_name = f"rng-rank{rank}.pt"
+    torch.save(_rng_state(), os.path.join(partial, rng_name))
+    written: dict[str, list] = {}
+    for info in saved.storage_data.values():
+        written.setdefault(str(info.relative_path), []).append((info.offset, info.length))
+    data = {name: ranges for i, (name, ranges) in enumerate(sorted(written.items()))
+            if owner(name, i, world) == rank}
+    mine = [rng_name]
     if rank == 0:
         with open(os.path.join(partial, CLIENT), "wb") as fh:
             fh.write(client_bytes)
+        config = getattr(engine.module, "config", None)
+        if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
+            config.to_json_file(os.path.join(partial, CONFIG))
+            mine.append(CONFIG)
+        mine += [".metadata", CLIENT]
+    # Each rank hashes what it has just written (still in its page cache); rank 0 records all.
+    files = gather_digests(comm, partial, mine, data)
+    if rank == 0:
         meta = {
             "format": FORMAT, "tag": tag, "world_size": world,
             "stage": engine.zero_optimization_stage(),
@@ -279,12 +230,10 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             "params": params,
             "state_dict": _state_dict_map(engine, exclude_frozen),
             "sampler_epoch": getattr(_sampler(engine), "epoch", None),
+            "files": dict(sorted(files.items())),
         }
-        config = getattr(engine.module, "config", None)
-        if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
-            config.to_json_file(os.path.join(partial, "config.json"))
         with open(os.path.join(partial, META), "w") as fh:
-            json.dump(meta, fh, indent=1)
+            json.dump(seal(meta), fh, indent=1)
     comm.barrier()  # every rank's files are in place
     if rank == 0:
         old = os.path.join(save_dir, f".{tag}.old")
@@ -370,38 +319,124 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
         return fh.read().strip()
 
 
+def _find_tag(load_dir: str, tag: str | None) -> str | None:
+    """`resolve_tag`, warning (as DeepSpeed logs) when there is nothing to load: a misspelt
+    directory would otherwise start training from scratch without a word."""
+    found = resolve_tag(load_dir, tag)
+    if found is None:
+        why = "does not exist" if not os.path.isdir(load_dir) else \
+            f"has no '{LATEST}' file (pass tag= to load a checkpoint without one)"
+        warnings.warn(f"zeroshard: checkpoint directory {load_dir} {why}; nothing was loaded",
+                      stacklevel=4)  # the caller of engine.load_checkpoint
+    return found
+
+
 def load_checkpoint(engine, load_dir: str, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False):
-    """Load a checkpoint saved at any world size and stage; returns `(path, client_state)`."""
-    tag = resolve_tag(load_dir, tag)
+    """Load a checkpoint saved at any world size and stage; returns `(path, client_state)`.
+
+    All or nothing: each rank verifies the files it will read (`_check`) and every rank learns
+    every rank's verdict before anything is written; if any rank's check failed, every rank
+    raises CheckpointError and nothing changed. `(None, None)`, with a warning, when `load_dir`
+    does not exist or has no `latest` and no tag was given. Checkpoints saved without recorded
+    checksums (older zeroshard) load with the size checks only.
+    """
+    tag = _find_tag(load_dir, tag)
     if tag is None:
         return None, None
+    path = os.path.join(load_dir, tag)
+    opt, comm = engine.optimizer, engine.comm
+    with_optim = load_optimizer_states and not load_module_only
+    try:
+        checked, error = _check(engine, load_dir, tag, with_optim, not load_module_only), None
+    except CheckpointError as err:
+        checked, error = None, str(err)
+    except Exception as err:  # noqa: BLE001 - every rank must reach the agreement regardless
+        checked, error = None, f"checking {path} failed: {type(err).__name__}: {err}"
+    agree(comm, error)
+    meta, reader, state, loaded, rng, client_state = checked
+    groups = meta["optimizer"]["groups"]
+    try:
+        with quiet_dcp():
+            dcp.load(state, storage_reader=reader)
+    except Exception as err:
+        # Only an I/O error, or a file replaced since it was verified, gets here.
+        raise CheckpointError(
+            f"could not load {path} after verifying it ({str(err).splitlines()[0][:500]}); "
+            "master weights and optimizer state may be partly overwritten: load a checkpoint "
+            "again before training") from None
+    with torch.no_grad():
+        # Gradients accumulated before the load (or left by a step that failed half-way) and
+        # gathered stage-3 units belong to the old state.
+        opt.policy.reset()
+        for unit, tensors in loaded:
+            _install(opt, unit, tensors, groups[unit.group_index] if with_optim else None)
+        opt.placement.flush()
+        opt.policy.gather_params()
+        opt.broken = None  # every master, state and parameter shard was rewritten
+    if not load_module_only:
+        _restore_engine(engine, meta, rng, load_lr_scheduler_states, with_optim)
+    comm.barrier()
+    return path, client_state
+
+
+def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool):
+    """Verify every file this rank's load reads, changing nothing; CheckpointError if one fails.
+
+    Returns (meta, reader, DCP state dict of read targets, [(unit, targets)], RNG state or None,
+    client_state). The targets view the masters and optimizer state (read into in place later);
+    the small files are read here, from the bytes that were hashed.
+    """
+    opt, comm = engine.optimizer, engine.comm
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist (tag {tag!r} in {load_dir})")
     meta_path = os.path.join(path, META)
-    if not os.path.isfile(meta_path):
-        raise CheckpointError(f"checkpoint file missing: {meta_path}")
-    try:
-        with open(meta_path) as fh:
-            meta = json.load(fh)
-    except ValueError as err:
-        raise CheckpointError(f"checkpoint file {meta_path} is unreadable ({err})") from None
+    meta = read_meta(meta_path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT}")
-    opt, comm = engine.optimizer, engine.comm
     _check_params(engine, meta, meta_path)
-    with_optim = load_optimizer_states and not load_module_only
-    groups = meta["optimizer"]["groups"]
+    files = meta.get("files")
+    reader = SafeReader(path, files)
+    metadata = reader.read_metadata()  # .metadata's digest, allow-list, every file's size
+    saved_keys = set(metadata.state_dict_metadata)
+    state, loaded = _targets(engine, meta["optimizer"]["groups"], with_optim)
+    absent = sorted(k for k in state if k not in saved_keys)
+    if absent:
+        raise CheckpointError(f"{path} has no {absent[0]} ({len(absent)} entries missing; "
+                              "load_optimizer_states=False loads the weights alone)")
+    in_units = {id(s.param) for u in opt.units for s in u.slots}
+    rest = {f"frozen.{n}": p.detach() for n, p in engine.module.named_parameters()
+            if id(p) not in in_units}
+    rest.update({f"buffer.{n}": b.detach() for n, b in engine.module.named_buffers()})
+    # Frozen parameters saved with exclude_frozen_parameters keep their current values.
+    state.update({k: v for k, v in rest.items() if k in saved_keys})
+    # Exactly the byte ranges DCP will read for this rank: DCP's own planner says which.
+    planner = DefaultLoadPlanner()
+    with quiet_dcp():
+        planner.set_up_planner(state, metadata, is_coordinator=False)
+        items = planner.create_local_plan().items
+    reader.verify_ranges(metadata.storage_data[item.storage_index] for item in items)
+    rng = _read_rng(path, comm.rank, files) if with_engine else None
+    client_state = torch_load_verified(path, CLIENT, files)
+    return meta, reader, state, loaded, rng, client_state
+
+
+def _targets(engine, groups, with_optim: bool):
+    """DCP read targets (1-D ShardedTensors) for this rank's fragments, and [(unit, tensors)].
+
+    At stages 1-3 they are the fp32 master and existing state themselves (read into in place,
+    once every rank's checks passed); stage 0 reads its shard aside and all-gathers it in
+    _install. Building them writes nothing.
+    """
+    opt, comm = engine.optimizer, engine.comm
     world, rank = comm.world_size, comm.rank
     device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
     state, loaded = {}, []
     for unit in opt.units:
         master, current = opt.placement.tensors(unit)  # mapped onto swap files for NVMe
         in_place = opt.policy.shards_optimizer  # masters and state are this rank's shard itself
-        # Read straight into the fp32 master and existing state (files were checked above);
-        # stage 0 reads its shard aside and all-gathers it in _install.
         shard = master if in_place else torch.zeros(unit.shard_numel, device=master.device)
         tensors = {"model": shard}
         if with_optim:
@@ -414,39 +449,24 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
                 name = f"model.{slot.name}" if key == "model" else f"optim.{key}.{slot.name}"
                 state[name] = _sharded(unit, slot, world, rank, target, device)
         loaded.append((unit, tensors))
-    reader = SafeReader(path)
-    saved_keys = set(reader.read_metadata().state_dict_metadata)  # checks every file first
-    absent = sorted(k for k in state if k not in saved_keys)
-    if absent:
-        raise CheckpointError(f"{path} has no {absent[0]} ({len(absent)} entries missing; "
-                              "load_optimizer_states=False loads the weights alone)")
-    in_units = {id(s.param) for u in opt.units for s in u.slots}
-    rest = {f"frozen.{n}": p.detach() for n, p in engine.module.named_parameters()
-            if id(p) not in in_units}
-    rest.update({f"buffer.{n}": b.detach() for n, b in engine.module.named_buffers()})
-    # Frozen parameters saved with exclude_frozen_parameters keep their current values.
-    state.update({k: v for k, v in rest.items() if k in saved_keys})
+    return state, loaded
+
+
+def _read_rng(path: str, rank: int, files: dict | None) -> dict | None:
+    """This rank's saved RNG state, tried on scratch generators; None if it saved none (the
+    checkpoint came from fewer ranks: this rank keeps its own)."""
+    name = f"rng-rank{rank}.pt"
+    saved = name in files if files is not None else os.path.isfile(os.path.join(path, name))
+    if not saved:
+        return None
+    rng = torch_load_verified(path, name, files)
     try:
-        with quiet_dcp():
-            dcp.load(state, storage_reader=reader)
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise CheckpointError(f"could not load {path}: {str(err).splitlines()[0][:500]}") from None
-    with torch.no_grad():
-        # Gradients accumulated before the load (or left by a step that failed half-way) and
-        # gathered stage-3 units belong to the old state.
-        opt.policy.reset()
-        for unit, tensors in loaded:
-            _install(opt, unit, tensors, groups[unit.group_index] if with_optim else None)
-        opt.placement.flush()
-        opt.policy.gather_params()
-        opt.broken = None  # every master, state and parameter shard was rewritten
-    if not load_module_only:
-        _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim)
-    client_state = _safe_torch_load(os.path.join(path, CLIENT))
-    comm.barrier()
-    return path, client_state
+        torch.Generator().set_state(rng["torch"])
+        random.Random().setstate(_as_tuple(rng["python"]))
+    except Exception as err:  # noqa: BLE001 - any malformed content
+        raise CheckpointError(f"checkpoint file {os.path.join(path, name)} holds no usable RNG "
+                              f"state ({type(err).__name__}: {err})") from None
+    return rng
 
 
 def _check_params(engine, meta, meta_path) -> None:
@@ -493,7 +513,7 @@ def _install(opt, unit, tensors: dict, group_meta: dict | None) -> None:
     opt.placement.install(unit, values, {k: fresh[k] for k in group_meta["order"] if k in fresh})
 
 
-def _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim) -> None:
+def _restore_engine(engine, meta, rng, load_lr_scheduler_states, with_optim) -> None:
     counters = meta["counters"]
     engine.global_steps = counters["global_steps"]
     engine.global_samples = counters["global_samples"]
@@ -512,9 +532,7 @@ def _restore_engine(engine, meta, path, load_lr_scheduler_states, with_optim) ->
     sampler = _sampler(engine)
     if sampler is not None and meta.get("sampler_epoch") is not None:
         sampler.set_epoch(meta["sampler_epoch"])  # the epoch's shuffle order, as when saved
-    rng_path = os.path.join(path, f"rng-rank{engine.comm.rank}.pt")
-    if os.path.isfile(rng_path):
-        rng = _safe_torch_load(rng_path)
+    if rng is not None:
         torch.set_rng_state(rng["torch"])
         random.setstate(_as_tuple(rng["python"]))
         if "cuda" in rng and torch.cuda.is_available():

@@ -277,6 +277,14 @@ class Comm:
         """Zero the ledger (e.g. to measure one step)."""
         self.bytes.clear()
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order (small control messages; not in the ledger)."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
 
 # -- DeepSpeed's `deepspeed.comm` names (module-level, on the default process group) ---------------
 

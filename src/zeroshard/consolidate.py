@@ -10,6 +10,11 @@ DCP call), so peak memory stays near the largest tensor, not the model.
 With `max_shard_bytes`, the output is split Hugging Face style: `model-00001-of-0000N.safetensors`
 files plus `model.safetensors.index.json`. A `config.json` saved with the checkpoint (a
 transformers model's config) is copied alongside, so `from_pretrained(out_dir)` works.
+
+Before anything is written, every byte it will read is checked against the checksums recorded at
+save time (`zeroshard.json`'s own digest, `.metadata`, the byte ranges of the tensors it reads,
+`config.json`); a mismatch is a one-line CheckpointError naming the file. Checkpoints saved
+before checksums were recorded get the size checks alone.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .checkpoint import META, CheckpointError, SafeReader, quiet_dcp, resolve_tag
+from .checkpoint import CONFIG, META, CheckpointError, SafeReader, quiet_dcp, resolve_tag
+from .checkpoint_verify import check_file, read_meta
 from .safetensors_out import tensor_nbytes, write_safetensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,14 +48,13 @@ def parse_size(text: str | int) -> int:
     return int(number * scale)
 
 
-def _entries(path: str, reader: SafeReader):
-    """(state_dict name, saved key, shape, saved dtype) for every tensor of the saved model."""
-    meta_path = os.path.join(path, META)
-    if not os.path.isfile(meta_path):
-        raise CheckpointError(f"checkpoint file missing: {meta_path}")
-    with open(meta_path) as fh:
-        meta = json.load(fh)
-    saved = reader.read_metadata().state_dict_metadata  # also checks every data file
+def _open(path: str):
+    """A reader of checkpoint `path` and (state_dict name, saved key, shape, saved dtype) for every
+    tensor of the saved model, all of it verified first: the bytes read later are the saved ones."""
+    meta = read_meta(os.path.join(path, META))
+    files = meta.get("files")
+    reader = SafeReader(path, files)
+    saved = reader.read_metadata().state_dict_metadata  # also checks every data file's size
     out = []
     for name, key in meta["state_dict"].items():
         if key not in saved:
@@ -57,7 +62,10 @@ def _entries(path: str, reader: SafeReader):
         shape = meta["params"][key[len("model."):]]["shape"] if key.startswith("model.") \
             else list(saved[key].size)
         out.append((name, key, shape, saved[key].properties.dtype))
-    return out
+    reader.verify_ranges(reader.ranges_of(key for _, key, _, _ in out))
+    if files is not None and CONFIG in files:
+        check_file(path, CONFIG, files)
+    return reader, out
 
 
 def _read_many(reader: SafeReader, entries) -> list[torch.Tensor]:
@@ -97,10 +105,9 @@ def _read_runs(reader: SafeReader, entries):
 def consolidated_state_dict(checkpoint_dir: str, tag: str | None = None,
                             dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
     """The whole model's state dict from a zeroshard checkpoint (parameters in `dtype`)."""
-    path = tag_path(checkpoint_dir, tag)
-    reader = SafeReader(path)
+    reader, entries = _open(tag_path(checkpoint_dir, tag))
     out = {}
-    for (name, *_), tensor in _read_runs(reader, _entries(path, reader)):
+    for (name, *_), tensor in _read_runs(reader, entries):
         out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() \
             else tensor
     return out
@@ -124,9 +131,9 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype
         raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     path = tag_path(checkpoint_dir, tag)
-    reader = SafeReader(path)
+    reader, saved = _open(path)
     entries = []
-    for name, key, shape, saved_dtype in _entries(path, reader):
+    for name, key, shape, saved_dtype in saved:
         out_dtype = target if saved_dtype.is_floating_point else saved_dtype
         entries.append((name, key, shape, saved_dtype, out_dtype, tensor_nbytes(shape, out_dtype)))
     limit = parse_size(max_shard_size) if max_shard_size else None
@@ -141,7 +148,7 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype
                  "weight_map": {e[0]: file for file, shard in zip(names, shards) for e in shard}}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
             json.dump(index, fh, indent=2)
-    config = os.path.join(path, "config.json")
+    config = os.path.join(path, CONFIG)
     if os.path.isfile(config):
         shutil.copy(config, os.path.join(out_dir, "config.json"))
     return [os.path.join(out_dir, n) for n in names]

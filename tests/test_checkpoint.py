@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import zeroshard
 from zeroshard.checkpoint import CheckpointError
-from zeroshard.checkpoint_verify import file_digest, seal
+from zeroshard.checkpoint.verify import file_digest, seal
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice, reference_run
 
@@ -536,7 +536,7 @@ def test_consolidate_errors_are_one_line(tmp_path, capsys):
 def _flip_range(path, key_prefix):
     """Flip bytes inside the first stored fragment of __1_0.distcp whose key starts with
     `key_prefix`; returns the file."""
-    from zeroshard.checkpoint import SafeReader
+    from zeroshard.checkpoint.verify import SafeReader
 
     storage = SafeReader(str(path)).read_metadata().storage_data
     index, info = next((i, v) for i, v in storage.items() if i.fqn.startswith(key_prefix)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from zeroshard import cli
+from zeroshard.cli import launch
 
 LAUNCH_TIMEOUT = 300
 DEFAULT_NPROC = torch.cuda.device_count() if torch.cuda.is_available() else 2
@@ -140,7 +141,7 @@ def test_run_defaults_nproc_and_standalone(tmp_path, monkeypatch):
     """Without options: 2 ranks on CPU (all GPUs with CUDA) and a standalone rendezvous."""
     monkeypatch.delenv("PET_NPROC_PER_NODE", raising=False)
     script = _write_script(tmp_path, "none")
-    args = cli.prepare_run_args([script])
+    args = launch.prepare_run_args([script])
     assert args.nproc_per_node == str(DEFAULT_NPROC)
     assert args.standalone  # free port, no collision between two jobs on one machine
     assert args.training_script_args == []
@@ -149,21 +150,21 @@ def test_run_defaults_nproc_and_standalone(tmp_path, monkeypatch):
 def test_run_keeps_user_rendezvous(tmp_path):
     """Rendezvous / master / multi-node options are left to torchrun untouched."""
     script = _write_script(tmp_path, "none")
-    args = cli.prepare_run_args(["--nproc_per_node", "3", "--master-port", "29555", script])
+    args = launch.prepare_run_args(["--nproc_per_node", "3", "--master-port", "29555", script])
     assert args.nproc_per_node == "3" and not args.standalone and args.master_port == 29555
-    args = cli.prepare_run_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script])
+    args = launch.prepare_run_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script])
     assert not args.standalone and args.rdzv_endpoint == "h:1"
-    args = cli.prepare_run_args(["--nnodes", "2", script])
+    args = launch.prepare_run_args(["--nnodes", "2", script])
     assert not args.standalone
 
 
 def test_deepspeed_launcher_spellings(tmp_path):
     """--num_gpus / --num_nodes map to torchrun's --nproc-per-node / --nnodes."""
     script = _write_script(tmp_path, "none")
-    args = cli.prepare_run_args(["--num_gpus", "4", "--num_nodes", "1", script, "--x"])
+    args = launch.prepare_run_args(["--num_gpus", "4", "--num_nodes", "1", script, "--x"])
     assert args.nproc_per_node == "4" and args.nnodes == "1"
     assert args.training_script_args == ["--x"]
-    assert "--num_gpus" in cli.build_run_parser().format_help()
+    assert "--num_gpus" in launch.build_run_parser().format_help()
 
 
 def test_local_rank_follows_declared_spelling(tmp_path):
@@ -172,19 +173,19 @@ def test_local_rank_follows_declared_spelling(tmp_path):
 
     under = _write_script(tmp_path, "underscore")
     dash = _write_script(tmp_path, "dash")
-    assert cli.prepare_run_args([under, "--a"]).training_script_args == [
+    assert launch.prepare_run_args([under, "--a"]).training_script_args == [
         f"--local_rank={macros.local_rank}", "--a"]
-    assert cli.prepare_run_args([dash]).training_script_args == [
+    assert launch.prepare_run_args([dash]).training_script_args == [
         f"--local-rank={macros.local_rank}"]
     # Given explicitly, or turned off: not added.
-    given = cli.prepare_run_args([under, "--local_rank=7"])
+    given = launch.prepare_run_args([under, "--local_rank=7"])
     assert given.training_script_args == ["--local_rank=7"]
-    assert cli.prepare_run_args(["--no_local_rank", under]).training_script_args == []
+    assert launch.prepare_run_args(["--no_local_rank", under]).training_script_args == []
 
 
 def test_module_mode_and_missing_module(capsys):
     """`-m module` is accepted; an unknown module is a usage error naming it."""
-    args = cli.prepare_run_args(["-m", "zeroshard.demo", "--worker"])
+    args = launch.prepare_run_args(["-m", "zeroshard.cli.demo", "--worker"])
     assert args.module and args.training_script_args == ["--worker"]
     assert cli.main(["run", "-m", "zeroshard.no_such_module"]) == 2
     assert "zeroshard.no_such_module" in capsys.readouterr().err
@@ -218,7 +219,7 @@ def test_version_and_demo_usage_errors(capsys):
 
 def test_demo_pieces_are_deterministic():
     """Corpus, batches and model of the demo are deterministic and of the intended size."""
-    from zeroshard import demo
+    from zeroshard.cli import demo
 
     text = demo.load_corpus()
     assert len(text) == demo.CORPUS_CHARS and text == demo.load_corpus()

@@ -299,7 +299,7 @@ def test_every_optimizer_problem_in_one_error():
     ("Adagrad", {"lr": 0.01, "lr_decay": 0.0, "eps": 1e-10, "initial_accumulator_value": 0.1}),
 ])
 def test_valid_optimizer_params_build(kind, params):
-    from zeroshard.optim import build_optimizer
+    from zeroshard.core.optim import build_optimizer
 
     cfg = load_quietly({"optimizer": {"type": kind, "params": params}})
     built = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))])

@@ -15,7 +15,7 @@ import torch
 
 import zeroshard
 from zeroshard.estimate import GB, Shape, estimate, model_states
-from zeroshard.plan import plan
+from zeroshard.sizing.plan import plan
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice
 

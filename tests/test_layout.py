@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeroshard.layout import ALIGN, MIN_UNIT_NUMEL, build_units, padded_size
+from zeroshard.core.layout import ALIGN, MIN_UNIT_NUMEL, build_units, padded_size
 from tests.models import make_model
 
 

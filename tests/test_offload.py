@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard import nvme
+from zeroshard.offload import nvme
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice
 

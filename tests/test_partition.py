@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from zeroshard.layout import StoragePool
-from zeroshard.partition import build_stage3_layout, unit_modules
+from zeroshard.core.layout import StoragePool
+from zeroshard.core.partition import build_stage3_layout, unit_modules
 from tests.models import make_model
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.init import init_units
+from zeroshard.core.init import init_units
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice, reference_run
 from tests.test_stages import OPTIMIZERS, _rel_error, case_id, frozen_block, two_groups

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from zeroshard.safetensors_out import write_safetensors
+from zeroshard.checkpoint.safetensors_file import write_safetensors
 
 # A world of one in a fresh interpreter. With "blocked", `import numpy` fails, as if it were not
 # installed; the checkpoint is saved in an unblocked run (torch decides at import whether it has

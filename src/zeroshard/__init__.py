@@ -3,14 +3,14 @@
 import argparse as _argparse
 
 from .comm import init_distributed
-from .config import ConfigError, NotSupportedYetError, load_config
+from .config.schema import ConfigError, NotSupportedYetError, load_config
 from .engine import Engine, initialize, is_initialized, prepare
-from .gathered import GatheredParameters
-from .init import Init, load_full_state_dict
+from .core.gathered import GatheredParameters
+from .core.init import Init, load_full_state_dict
 from . import comm, ops, utils, zero
-from .desync import DesyncError
-from .optim import NonFiniteGradientError, ZeroOptimizer
-from .scaler import LossScaleError
+from .core.desync import DesyncError
+from .core.optim import NonFiniteGradientError, ZeroOptimizer
+from .core.scaler import LossScaleError
 
 __version__ = "0.1.0"
 

@@ -8,6 +8,7 @@ accumulation boundary only (then the LR scheduler, then clearing gradients), and
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from typing import Any
@@ -17,11 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm, default_device, init_distributed
-from .auto import resolve_auto
-from .config import ZeroConfig, load_config, read_raw, require_supported
-from .optim import ZeroOptimizer, build_optimizer
-from .scaler import LossScaler
-from .stage3 import Stage3Options
+from .config.auto import resolve_auto
+from .config.schema import ZeroConfig, load_config, read_raw, require_supported
+from .core.optim import ZeroOptimizer, build_optimizer
+from .core.scaler import LossScaler
+from .core.stage3 import Stage3Options
+from .offload.optimizer import make_placement
+from .offload.param import make_store
 
 PLACEMENTS = ("device", "cpu", "nvme")
 
@@ -202,7 +205,7 @@ class Engine(nn.Module):
     def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> str:
         """Write a sharded checkpoint (every rank calls it); any world size and stage can load it."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint.sharded import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                exclude_frozen=exclude_frozen_parameters)
@@ -212,7 +215,7 @@ class Engine(nn.Module):
                         load_module_only: bool = False):
         """Load a checkpoint written at any world size and stage: `(path, client_state)`, or
         `(None, None)` when `load_dir` has no `latest` and no tag was given."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint.sharded import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
@@ -223,7 +226,7 @@ class Engine(nn.Module):
         Forward passes inside it gather nothing; it costs the full model's memory on each rank.
         At stages 0-2 it is a no-op.
         """
-        from .gathered import GatheredParameters
+        from .core.gathered import GatheredParameters
 
         return GatheredParameters(list(self.module.parameters()))
 
@@ -233,7 +236,7 @@ class Engine(nn.Module):
 
     def consolidated_state_dict(self, rank0_only: bool = True) -> dict:
         """The whole model's state dict in the compute dtype, gathered unit by unit (all ranks call)."""
-        from .gathered import full_state_dict
+        from .core.gathered import full_state_dict
 
         return full_state_dict(self.module, rank0_only)
 
@@ -259,7 +262,7 @@ class Engine(nn.Module):
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             if save_filename.endswith(".safetensors"):
-                from .safetensors_out import write_safetensors
+                from .checkpoint.safetensors_file import write_safetensors
 
                 # Tied weights appear under each of their names, as from_pretrained expects.
                 write_safetensors(path, [(n, list(t.shape), t.dtype) for n, t in state.items()],
@@ -378,11 +381,13 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
                              max_live_parameters=zero.stage3_max_live_parameters,
                              max_reuse_distance=zero.stage3_max_reuse_distance,
                              desync_timeout=zero.zeroshard_desync_timeout,
-                             offload_param=zero.offload_param, aio=cfg.aio),
+                             make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
+                                                          rank=comm.rank)),
                          persistence_threshold=zero.stage3_param_persistence_threshold,
                          unit_classes=zero.zeroshard_unit_classes,
-                         offload_optimizer=zero.offload_optimizer if zero.stage > 0 else None,
-                         aio=cfg.aio)
+                         make_placement=functools.partial(
+                             make_placement, zero.offload_optimizer if zero.stage > 0 else None,
+                             cfg.aio, rank=comm.rank))
     if dtype is not None:
         model.to(dtype)  # what the units did not cover: frozen parameters and buffers
     _broadcast_from_rank0(model, zopt, comm)

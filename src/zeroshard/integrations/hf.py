@@ -45,7 +45,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 import zeroshard
-from zeroshard.auto import resolve_auto
+from zeroshard.config.auto import resolve_auto
 from zeroshard.config import read_raw
 
 STATE_NAME = "trainer_state.json"

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .hostmem import byte_view
+from ..core.hostmem import byte_view
 
 #: Alignment of buffers, offsets and lengths for O_DIRECT (the largest common logical block).
 BLOCK = 4096

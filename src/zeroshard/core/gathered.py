@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm
-from .init import INIT_ATTR, gather_init_units
-from .optim import OWNER_ATTR
+from ..comm import Comm
+from .init import gather_init_units
+from .layout import INIT_ATTR, OWNER_ATTR
 
 
 def _as_list(params) -> list[nn.Parameter]:

@@ -27,7 +27,7 @@ import os
 import torch
 from torch import nn
 
-from .layout import ALIGN, Unit
+from ..core.layout import ALIGN, Unit
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
 
 PLACEMENT_NAMES = ("device", "cpu", "nvme")

@@ -17,57 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Unit
+from ..core.layout import Unit
+from ..core.shard_store import ShardStore
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, aligned_buffer, round_up
-
-
-class ShardStore:
-    """Shards stay where stage 3 put them (on the device)."""
-
-    name = "device"
-
-    def __init__(self, units: list[Unit] = ()):
-        self.units = {u.index: u for u in units}
-
-    def source(self, unit: Unit) -> torch.Tensor:
-        """The unit's shard on the compute device, valid until `done(unit)`."""
-        return unit.shard
-
-    def done(self, unit: Unit) -> None:
-        """The gather from `source(unit)` has completed."""
-
-    def read_ahead(self, indices) -> None:
-        """Start fetching the shards of upcoming units (NVMe only)."""
-
-    def read(self, unit: Unit) -> torch.Tensor:
-        """The shard's current values (compute dtype)."""
-        return unit.shard
-
-    def write(self, unit: Unit, values: torch.Tensor) -> None:
-        """Set the shard from `values` (any dtype, cast)."""
-        if unit.shard.data_ptr() != values.data_ptr():
-            unit.shard.copy_(values, non_blocking=values.is_pinned())
-
-    def flush(self) -> None:
-        """Wait for writes in flight; raise NvmeError if one failed."""
-
-    def drain(self) -> None:
-        """Wait for writes in flight, dropping failures (after an error was reported)."""
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Shards held in memory (for the ledger, under `name`)."""
-        return [u.shard for u in self.units.values()]
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Staging memory (for the ledger, "buffers" on the CPU)."""
-        return []
-
-    def nvme_bytes(self) -> int:
-        """Bytes of swap files."""
-        return 0
-
-    def close(self) -> None:
-        """Release files and threads."""
 
 
 class CpuShardStore(ShardStore):

@@ -27,17 +27,18 @@ Total per micro-step: 3 x Psi x (N-1)/N, as in the ZeRO paper.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .comm import Comm
+from ..comm import Comm
 from .desync import OrderGuard
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
-from .offload_param import ShardStore, make_store
 from .partition import Stage3Layout
 from .schedule import Schedule
+from .shard_store import ShardStore
 from .stage2 import Stage2
 
 
@@ -53,10 +54,9 @@ class Stage3Options:
     """Keep a unit gathered if it is needed again within this many elements of other units."""
     desync_timeout: float = 300.0
     """Seconds a rank waits for its peers before a stage-3 collective; 0 disables the check."""
-    offload_param: object = None
-    """The `offload_param` config block (None: shards stay on the device)."""
-    aio: object = None
-    """The `aio` config block (NVMe I/O settings)."""
+    make_store: Callable[[list[Unit]], ShardStore] | None = None
+    """Builds the placement of the sharded units' shards (`offload_param`: CPU memory, NVMe);
+    None keeps them on the compute device."""
 
 
 class Stage3(Stage2):
@@ -198,8 +198,9 @@ class Stage3(Stage2):
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)
         # Shards move to their placement now that they are in the compute dtype.
-        self.store = make_store(self.options.offload_param, self.options.aio,
-                                [u for u in self.units if u.index in self.sharded], self.comm.rank)
+        sharded = [u for u in self.units if u.index in self.sharded]
+        self.store = self.options.make_store(sharded) if self.options.make_store else \
+            ShardStore(sharded)
         for module in self.layout.modules:
             needs = self.layout.needs[id(module)]
             is_root = module is self.module

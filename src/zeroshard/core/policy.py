@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Comm, wait_all
+from ..comm import Comm, wait_all
 from .layout import Unit
 
 # Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the

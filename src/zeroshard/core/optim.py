@@ -22,11 +22,9 @@ import warnings
 import torch
 from torch import nn
 
-from .comm import Comm
+from ..comm import Comm
 from .init import take_full
-from .layout import Unit, build_units
-from .nvme import NvmeError
-from .offload import make_placement
+from .layout import OWNER_ATTR, Unit, build_units
 from .partition import build_stage3_layout
 from .policy import StagePolicy
 from .scaler import LossScaler
@@ -45,8 +43,6 @@ ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop
 WHOLE_TENSOR = {"lamb", "lars", "lbfgs", "adafactor", "shampoo", "muon", "novograd", "sparseadam",
                 "onebitlamb", "fusedlamb", "adan"}
 FUSED_ON_CPU = {"Adam", "AdamW", "SGD", "Adagrad"}
-#: Attribute set on every parameter a ZeroOptimizer manages: (optimizer, unit).
-OWNER_ATTR = "_zeroshard_owner"
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -78,7 +74,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_numel: int, compute_dtype: torch.dtype | None, clip_norm: float,
                  scaler: LossScaler, overlap_comm: bool = True,
                  stage3: Stage3Options | None = None, persistence_threshold: int = 0,
-                 unit_classes: list[str] | None = None, offload_optimizer=None, aio=None):
+                 unit_classes: list[str] | None = None, make_placement=None):
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -90,8 +86,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.step_applied = False
         self.steps = 0
-        #: Set when an NVMe write failed mid-step; cleared by loading a checkpoint.
-        self.broken: str | None = None
+        #: The I/O error (NvmeError) of a step that failed half-way; cleared by loading a checkpoint.
+        self.broken: OSError | None = None
 
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
                     for p in group["params"] if p.requires_grad}
@@ -115,8 +111,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self.policy = POLICIES[stage](self.units, comm, overlap_comm, model)
         # Masters are taken before casting so that they keep the full-precision initial values.
-        self.placement = make_placement(offload_optimizer, aio, optimizer, self.units, self.policy,
-                                        compute_dtype, comm.rank)
+        # `make_placement(optimizer, units, policy, compute_dtype)` (offload/optimizer.py) decides
+        # where masters and optimizer state live; the engine chooses it from offload_optimizer.
+        self.placement = make_placement(optimizer, self.units, self.policy, compute_dtype)
         self.masters = self.placement.masters
         for unit in self.units:
             unit.cast(compute_dtype or unit.dtype)
@@ -179,10 +176,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure (LBFGS-style optimizers "
                              "need whole tensors and are not supported)")
-        if self.broken:
-            raise NvmeError(errno.EIO, f"rank {self.comm.rank}: no optimizer step is taken after "
-                            f"an NVMe failure left the state partly updated ({self.broken}); load "
-                            "the last checkpoint (engine.load_checkpoint) to continue")
+        if self.broken is not None:
+            raise type(self.broken)(
+                errno.EIO, f"rank {self.comm.rank}: no optimizer step is taken after an NVMe "
+                f"failure left the state partly updated ({self.broken}); load the last checkpoint "
+                "(engine.load_checkpoint) to continue")
         self.policy.reduce_gradients()
         grads = [self.policy.grad_shard(unit) for unit in self.units]
         norm = self._global_norm(self.placement.sq_norm(grads))
@@ -205,10 +203,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             self.placement.step(factor)
             self.policy.gather_params()
-        except NvmeError as err:
-            self.broken = str(err)
+        except OSError as err:  # the placement's I/O (offload/nvme.py's NvmeError)
+            self.broken = err
             self.policy.drain()
-            raise NvmeError(err.errno, f"rank {self.comm.rank}, optimizer step {self.steps}: {err}. "
+            raise type(err)(err.errno, f"rank {self.comm.rank}, optimizer step {self.steps}: {err}. "
                             "The step was only partly applied; load the last checkpoint "
                             "(engine.load_checkpoint) to continue") from err
         self.scaler.update(overflow=False, step=self.steps)

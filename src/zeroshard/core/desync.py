@@ -21,7 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .comm import _ALL_GATHER, Comm
+from ..comm import _ALL_GATHER, Comm
 
 KINDS = ("gather", "reduce-scatter", "optimizer step")
 

@@ -1,7 +1,7 @@
 """`zeroshard demo`: train one small GPT at several ZeRO stages; print the memory each one measured.
 
 The launcher half (`cli_main`) starts the ranks through the same torchrun front door as
-`zeroshard run` (module mode: `-m zeroshard.demo --worker ...`). The worker half (`worker_main`)
+`zeroshard run` (module mode: `-m zeroshard.cli.demo --worker ...`). The worker half (`worker_main`)
 trains a character-level decoder-only transformer on Python standard-library source that ships
 with the interpreter (no download), once per variant in `VARIANTS`, with the same seed, initial
 weights and data order each time, and rank 0 prints one table: final loss, median step time, and
@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .launch import UsageError, run_command
 
 # One entry per row of the table: label -> the `zero_optimization` section that selects it.
 # Adding a variant (offload, ...) is one line here.
@@ -228,7 +230,7 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
 
     import zeroshard
 
-    from zeroshard.estimate import model_states
+    from ..sizing.estimate import model_states
 
     torch.manual_seed(args.seed)
     model = TinyGPT(GPTConfig())
@@ -443,20 +445,18 @@ def worker_main(argv: list[str]) -> int:
 
 def cli_main(argv: list[str]) -> int:
     """`zeroshard demo`: start the ranks through `zeroshard run` and return the exit code."""
-    from zeroshard import cli
-
     args = _parser().parse_args(argv)
     try:
         names = _parse_stages(args.stages)
     except ValueError as err:
-        raise cli.UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
     if args.steps < 1:
-        raise cli.UsageError("--steps must be at least 1")
+        raise UsageError("--steps must be at least 1")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise cli.UsageError("--plot needs matplotlib (pip install zeroshard[plot])") from None
+            raise UsageError("--plot needs matplotlib (pip install zeroshard[plot])") from None
         args.plot = os.path.abspath(args.plot)
     launch = []
     if args.nproc is not None:
@@ -469,17 +469,19 @@ def cli_main(argv: list[str]) -> int:
               "--lr", str(args.lr)]
     if args.plot:
         worker += ["--plot", args.plot]
-    return cli.run_command([*launch, "--no_local_rank", "-m", "zeroshard.demo", *worker])
+    return run_command([*launch, "--no_local_rank", "-m", "zeroshard.cli.demo", *worker])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m zeroshard.demo`: a worker when started with --worker, else the launcher."""
+    """`python -m zeroshard.cli.demo`: a worker when started with --worker, else the launcher."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--worker" in argv:
         return worker_main(argv)
-    from zeroshard import cli
-
-    return cli.main(["demo", *argv])
+    try:
+        return cli_main(argv)
+    except UsageError as err:
+        print(f"zeroshard demo: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,12 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm, init_distributed
-from .config import load_config
-from .layout import Slot, Unit, ZeroParamStatus, padded_size, set_status
-
-#: Attribute on a parameter partitioned at construction: its construction-time Unit.
-INIT_ATTR = "_zeroshard_init_unit"
+from ..comm import Comm, init_distributed
+from ..config.schema import load_config
+from .layout import INIT_ATTR, OWNER_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
 
 
 def _subclasses(cls):
@@ -245,8 +242,6 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     Each rank copies only the slices it owns, one unit at a time, and fp32 master weights are
     refreshed; no unit is ever gathered. Missing or unexpected keys raise an error naming them.
     """
-    from .optim import OWNER_ATTR
-
     names = {id(p): n for n, p in model.named_parameters()}
     expected = set(model.state_dict().keys())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)

@@ -11,7 +11,7 @@ Communication plan, per optimizer step:
 
 from __future__ import annotations
 
-from .comm import wait_all
+from ..comm import wait_all
 from .policy import StagePolicy
 
 

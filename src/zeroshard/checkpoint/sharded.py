@@ -43,7 +43,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetad
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from .checkpoint_verify import (CheckpointError, SafeReader, agree, gather_digests, owner,
+from .verify import (CheckpointError, SafeReader, agree, gather_digests, owner,
                                 read_meta, seal, torch_load_verified)
 
 __all__ = ["CheckpointError", "SafeReader", "load_checkpoint", "quiet_dcp", "resolve_tag",

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .config_inert import INERT_KEYS, INERT_VALUES
-from .config_optimizer import optimizer_param_problems
+from .inert import INERT_KEYS, INERT_VALUES
+from .optimizer import optimizer_param_problems
 
 __all__ = [
     "ConfigError", "NotSupportedYetError", "ConfigWarning", "load_config", "require_supported",

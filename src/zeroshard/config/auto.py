@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError
+from .schema import ConfigError
 
 log = logging.getLogger("zeroshard")
 

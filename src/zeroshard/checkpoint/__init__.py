@@ -1,0 +1,9 @@
+"""Sharded checkpoints: save and load at any world size, stage and placement (`sharded.py`), the
+checks that make a load all or nothing (`verify.py`), a checkpoint consolidated into safetensors
+(`consolidate.py`) and the safetensors writer it shares with `save_16bit_model`
+(`safetensors_file.py`)."""
+
+from .sharded import load_checkpoint, save_checkpoint  # noqa: F401
+from .verify import CheckpointError  # noqa: F401
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]

@@ -3,6 +3,21 @@
 `Comm` counts, per rank, the bytes each collective moves under the ring model that the ZeRO paper
 uses: all-gather and reduce-scatter move (N-1)/N of the full (gathered / unreduced) payload, an
 all-reduce twice that. `comm_report()` returns the cumulative counts.
+
+Intra-host and inter-host bytes. The ledger also splits every count by the link it crosses, with
+this model: a collective over the n ranks of a group runs as a ring in group-rank order, each
+rank sending to the next; each of the ring's n hops carries the same bytes, and a hop crosses
+hosts when its two ranks are on different hosts. The model spreads the crossing bytes evenly over
+the ring's ranks: the inter-host share of every rank's count is c/n, c being the number of hops
+whose two ranks are on different hosts. Hosts come from the node
+layout torchrun gives (`HostLayout.from_env`): global rank r is on host r // P, P = LOCAL_WORLD_SIZE,
+every host running P ranks in rank order, as torchrun assigns them. For the whole world of N = H x P
+ranks on H > 1 hosts, c = H and the inter-host share is H/N = 1/P; summed over the P ranks of one
+host, the model's inter-host bytes are exactly what that host's one outgoing ring hop carries. One
+rank per host makes every byte inter-host; one host, none. The split is a model like the counts:
+gloo's own algorithms (and the broadcasts and pairwise exchanges `Comm` composes on gloo) route
+bytes differently, and TCP/IP adds headers; tests/test_multihost.py compares it with the bytes that
+really crossed a simulated host's link.
 """
 
 from __future__ import annotations
@@ -11,6 +26,7 @@ import atexit
 import datetime
 import os
 import sys
+import warnings
 from collections import defaultdict
 
 import torch
@@ -117,6 +133,44 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class HostLayout:
+    """Which host each global rank runs on: P consecutive ranks per host, in rank order."""
+
+    def __init__(self, ranks_per_host: int):
+        self.ranks_per_host = max(1, int(ranks_per_host))
+
+    @classmethod
+    def from_env(cls, world_size: int) -> "HostLayout":
+        """The layout torchrun (LOCAL_WORLD_SIZE) or Slurm (SLURM_NTASKS_PER_NODE) describes; one host
+        when neither says (a plain process, or ranks spawned by hand on one machine)."""
+        per_host = _env_int("LOCAL_WORLD_SIZE")
+        if per_host is None:
+            slurm = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+            per_host = int(slurm) if slurm.isdigit() else None  # "2(x3)" forms: not uniform
+        if per_host is None or per_host <= 0:
+            return cls(world_size)
+        group_rank, rank = _env_int("GROUP_RANK"), _env_int("RANK")
+        if world_size % per_host or (group_rank is not None and rank is not None
+                                     and group_rank != rank // per_host):
+            # Hosts of different sizes: the ranks of host h are not h*P .. h*P+P-1.
+            warnings.warn(f"comm ledger: hosts do not all run LOCAL_WORLD_SIZE={per_host} ranks; "
+                          "its intra-/inter-host split assumes they do", RuntimeWarning,
+                          stacklevel=2)
+        return cls(per_host)
+
+    def host(self, rank: int) -> int:
+        """The host of global rank `rank`."""
+        return rank // self.ranks_per_host
+
+    def crossing_share(self, ranks: list[int]) -> float:
+        """The share of a ring's hops over `ranks` (global ranks, in ring order) that cross hosts."""
+        n = len(ranks)
+        if n < 2:
+            return 0.0
+        crossing = sum(self.host(ranks[i]) != self.host(ranks[(i + 1) % n]) for i in range(n))
+        return crossing / n
+
+
 def default_device() -> torch.device:
     """`cuda:LOCAL_RANK` when CUDA is available, else CPU."""
     if torch.cuda.is_available():
@@ -201,9 +255,12 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.bytes = defaultdict(int)
+        self.inter_host_bytes = defaultdict(int)
         self.composed = dist.get_backend(group) == "gloo"
         self._ranks = [dist.get_global_rank(group, r) if group is not None else r
                        for r in range(self.world_size)]
+        self.layout = HostLayout.from_env(dist.get_world_size())
+        self.crossing_share = self.layout.crossing_share(self._ranks)
         self._tag = 0
 
     def next_tag(self) -> int:
@@ -213,7 +270,9 @@ class Comm:
 
     def _count(self, kind: str, payload_bytes: int, factor: float) -> None:
         n = self.world_size
-        self.bytes[kind] += int(round(factor * payload_bytes * (n - 1) / n))
+        moved = int(round(factor * payload_bytes * (n - 1) / n))
+        self.bytes[kind] += moved
+        self.inter_host_bytes[kind] += int(round(moved * self.crossing_share))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """Sum (or `op`) `tensor` in place across ranks."""
@@ -268,14 +327,18 @@ class Comm:
             dist.barrier(group=self.group)
 
     def report(self) -> dict[str, int]:
-        """Cumulative bytes moved by this rank per collective kind, plus "total"."""
+        """Cumulative bytes moved by this rank per collective kind, plus "total", and "total" split
+        into "intra_host" and "inter_host" (the ring model of the module docstring)."""
         out = {k: int(self.bytes.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
         out["total"] = sum(out.values())
+        inter = int(sum(self.inter_host_bytes.values()))
+        out["intra_host"], out["inter_host"] = out["total"] - inter, inter
         return out
 
     def reset(self) -> None:
         """Zero the ledger (e.g. to measure one step)."""
         self.bytes.clear()
+        self.inter_host_bytes.clear()
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable `obj`, in rank order (small control messages; not in the ledger)."""

@@ -79,14 +79,18 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
         torch.cuda.set_device(local_rank or 0)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is not None and "MASTER_PORT" in os.environ:
-        # Under torchrun's elastic agent the store outlives a restart, and measured restarts
-        # intermittently read the previous attempt's gloo addresses from it ("connectFullMesh
-        # failed ... Connection refused"): key this attempt's rendezvous by the restart count.
-        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if (restart is not None and "MASTER_PORT" in os.environ
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("GROUP_WORLD_SIZE", "1") == "1"):
+        # Under torchrun's elastic agent the agent's store outlives a restart, and measured
+        # restarts intermittently read the previous attempt's gloo addresses from it
+        # ("connectFullMesh failed ... Connection refused"): key this attempt's rendezvous by the
+        # restart count. Only with one agent: each agent counts its own restarts, so across nodes
+        # the counts differ (a replaced node's agent starts at 0) and would split the ranks.
+        # There `zeroshard run` turns the shared store off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+        # and each attempt's rank 0 holds a fresh store: nothing stale to read.
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=not agent_hosts and rank == 0,
-                              timeout=timeout or datetime.timedelta(minutes=30))
+                              is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
         kwargs["store"] = dist.PrefixStore(f"zeroshard/attempt_{restart}", store)
     dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
     leave_cleanly_at_exit()

@@ -46,8 +46,8 @@ def batch_for_step(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torc
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def main() -> None:
-    """Train `--steps` optimizer steps, checkpointing every `--save-every`."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line above."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="checkpoint directory (save_dir)")
     parser.add_argument("--steps", type=int, default=8)
@@ -57,8 +57,12 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-node", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def train(args: argparse.Namespace) -> None:
+    """Train `--steps` optimizer steps, checkpointing every `--save-every`; rank 0 saves the final
+    parameters to `--out`."""
     model = make_model()
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
@@ -87,9 +91,14 @@ def main() -> None:
     state = engine.consolidated_state_dict()
     if engine.rank == 0 and args.out:
         torch.save(state, args.out)
+    engine.destroy()
+
+
+def main() -> None:
+    """Train, then leave together."""
+    train(parse_args())
     # Leave together: a rank tearing gloo down while a peer still talks to it can abort at exit,
     # which the elastic agent would count as a failure.
-    engine.destroy()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -73,3 +73,18 @@ def test_uneven_hosts_warn(env):
     env.setenv("RANK", "3")  # host 1 of a 3 + 1 layout: rank 3 is not on host 3
     with pytest.warns(RuntimeWarning, match="do not all run"):
         HostLayout.from_env(4)
+
+
+def test_demo_shows_the_split():
+    """`zeroshard demo` prints each stage's bytes per step, intra-host and inter-host."""
+    from zeroshard.cli.demo import VariantResult, comm_table
+
+    rows = [VariantResult("2", comm={"total": 4_000_000, "intra_host": 2_000_000,
+                                     "inter_host": 2_000_000}, hosts=(2, 2)),
+            VariantResult("3", comm={"total": 6_000_000, "intra_host": 3_000_000,
+                                     "inter_host": 3_000_000}, hosts=(2, 2))]
+    lines = comm_table(rows)
+    assert "2 hosts x 2 ranks" in lines[0]
+    assert lines[1].split() == ["stage", "total", "MB", "intra-host", "MB", "inter-host", "MB"]
+    assert lines[2].split() == ["2", "4.000", "2.000", "2.000"]
+    assert lines[3].split() == ["3", "6.000", "3.000", "3.000"]

@@ -179,7 +179,7 @@ def test_failed_host_is_replaced_and_the_run_resumes_bitwise(cluster, job, tmp_p
     out, codes, text = job
     assert codes == [0, 0], text
     result = tmp_path / "final.pt"
-    argv = _command(cluster, "restart", 29401,
+    argv = _command(cluster, "restart", 29400,
                     [str(EXAMPLE), "--ckpt", str(tmp_path / "ckpt"), "--out", str(result),
                      "--kill-node", "1", "--kill-at", "5"], "--max-restarts", "1")
     logs = [tmp_path / "host0.log", tmp_path / "host1.log", tmp_path / "host1-replacement.log"]

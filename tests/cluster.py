@@ -12,8 +12,8 @@ the host to every other host). Nothing here sends to an address outside these na
 
 Needs root and iproute2 (`ip`, `tc`); `unavailable()` says why not, for a skip. Namespaces are
 named `zst<pid>-<n>-...` after the creating process, so `remove_leftovers()` can delete those of a
-run that died without tearing down (the `zst` prefix is ours alone). Used by tests/test_multihost.py;
-a benchmark with a slow inter-host link can reuse it.
+run that died without tearing down (the `zst` prefix is ours alone). Used by
+tests/test_multihost.py; a benchmark with a slow inter-host link can reuse it.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class Cluster:
                                 "root", "tbf", "rate", self.rate, "burst", "256kb", "latency",
                                 "100ms"], check=True, capture_output=True, timeout=30)
 
-    def start(self, host: int, argv: list[str], log_path, env: dict | None = None) -> subprocess.Popen:
+    def start(self, host: int, argv: list[str], log_path,
+              env: dict | None = None) -> subprocess.Popen:
         """Run `argv` on `host` (in its namespace, a session of its own), output to `log_path`."""
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *argv],
@@ -92,7 +93,7 @@ class Cluster:
         _kill_namespace(self.namespaces[host])
 
     def tx_bytes(self, host: int) -> int:
-        """Bytes `host` has sent to other hosts (its uplink's transmit counter, headers included)."""
+        """Bytes `host` sent to other hosts (its uplink's transmit counter, headers included)."""
         out = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat", "/proc/net/dev"],
                              capture_output=True, text=True, check=True, timeout=30).stdout
         return interface_tx_bytes(out, IFNAME)

@@ -158,7 +158,7 @@ def test_comm_splits_into_intra_and_inter_host(ledgers):
     several hosts (comm.py's ring model: H of the N hops), none on one host, all at P = 1."""
     n, result = ledgers
     for per_host, report in result["hosts"].items():
-        kinds = report["all_reduce"] + report["all_gather"] + report["reduce_scatter"] + report["broadcast"]
+        kinds = sum(report[k] for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
         assert report["intra_host"] + report["inter_host"] == report["total"] == kinds > 0
         share = 0.0 if per_host == n else 1 / per_host
         # Rounding: at most half a byte per collective; a step has fewer than 100 here.

@@ -1,4 +1,4 @@
-"""`zeroshard run` across machines: the settings torchrun leaves to the user, found from the network.
+"""`zeroshard run` across machines: what torchrun leaves to the user, found from the network.
 
 Started on each node with the same `--nnodes H --rdzv-backend c10d --rdzv-endpoint HOST:PORT`,
 torchrun needs three things it guesses from the machine's hostname, and the guesses fail where the
@@ -98,9 +98,11 @@ def _conf_keys(conf: str) -> set[str]:
 
 
 def apply_node_defaults(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """Fill in is_host and --local-addr for a multi-node launch where the user gave neither;
-    return notes on what was chosen and the environment variables to add for the agent and its
-    workers (GLOO_SOCKET_IFNAME, TORCH_DISABLE_SHARE_RDZV_TCP_STORE; never one already set)."""
+    """Fill in a multi-node launch's missing is_host / --local-addr; return (notes, env to add).
+
+    The environment variables are for the agent and its workers (GLOO_SOCKET_IFNAME,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE), never one already set; the caller applies them.
+    """
     host = _endpoint_host(args)
     route = route_to(host) if host else None
     if route is None:

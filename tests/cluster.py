@@ -30,7 +30,7 @@ PREFIX = "zst"
 SUBNET = "10.213.0"  # a private subnet, only ever inside namespaces made here
 IFNAME = "zsnet"
 _counter = itertools.count()
-_verdict: list[str | None] = []
+_verdicts: dict[bool, str | None] = {}
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -161,10 +161,10 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
-def unavailable() -> str | None:
-    """Why simulated hosts cannot be made here (a skip reason), or None when they can."""
-    if _verdict:
-        return _verdict[0]
+def unavailable(rate_limited: bool = False) -> str | None:
+    """Why simulated hosts (with a tbf-limited uplink) cannot be made here, or None if they can."""
+    if rate_limited in _verdicts:
+        return _verdicts[rate_limited]
     reason = None
     if os.geteuid() != 0:
         reason = "simulated hosts need root (network namespaces)"
@@ -173,10 +173,11 @@ def unavailable() -> str | None:
     else:
         try:
             remove_leftovers()
-            with Cluster(hosts=1, rate="1gbit"):
+            with Cluster(hosts=1, rate="1gbit" if rate_limited else None):
                 pass
         except (subprocess.CalledProcessError, OSError, subprocess.TimeoutExpired) as err:
             detail = getattr(err, "stderr", "") or err
-            reason = f"cannot create network namespaces, veth pairs and tbf here: {detail}".strip()
-    _verdict.append(reason)
+            made = "network namespaces, veth pairs" + (" and tbf" if rate_limited else "")
+            reason = f"cannot create {made} here: {detail}".strip()
+    _verdicts[rate_limited] = reason
     return reason

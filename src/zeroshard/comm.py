@@ -340,6 +340,7 @@ class Comm:
         "intra_host" + "inter_host" = "total", by the ring model of the module docstring.
         """
         out = {k: int(self.bytes.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+        out.update((k, int(v)) for k, v in self.bytes.items() if k not in out)  # any other kind
         out["total"] = sum(out.values())
         inter = int(sum(self.inter_host_bytes.values()))
         out["intra_host"], out["inter_host"] = out["total"] - inter, inter

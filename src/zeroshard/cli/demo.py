@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .launch import UsageError, run_command
+from .launch import UsageError, build_run_parser, run_command
 
 # One entry per row of the table: label -> the `zero_optimization` section that selects it.
 # Adding a variant (offload, ...) is one line here.
@@ -474,8 +474,11 @@ def worker_main(argv: list[str]) -> int:
 def cli_main(argv: list[str]) -> int:
     """`zeroshard demo`: start the ranks through `zeroshard run` and return the exit code."""
     args, launcher = _parser().parse_known_args(argv)
-    if any(not a.startswith("-") for a in launcher[:1]):
-        raise UsageError(f"unrecognized arguments: {' '.join(launcher)}")
+    # Options the demo does not know must be zeroshard run's (torchrun's): check them here, so a
+    # typo is reported as the demo's.
+    unknown = build_run_parser().parse_known_args([*launcher, "-m", "zeroshard.cli.demo"])[1]
+    if unknown or any(not a.startswith("-") for a in launcher[:1]):
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown or launcher)}")
     try:
         names = _parse_stages(args.stages)
     except ValueError as err:
@@ -499,7 +502,6 @@ def cli_main(argv: list[str]) -> int:
               "--lr", str(args.lr)]
     if args.plot:
         worker += ["--plot", args.plot]
-    # Options the demo does not know are torchrun's (--nnodes, --rdzv-endpoint, ...).
     return run_command([*launch, *launcher, "--no_local_rank", "-m", "zeroshard.cli.demo", *worker])
 
 

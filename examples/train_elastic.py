@@ -8,8 +8,14 @@ is chosen by n (not by how many steps this process ran), and the checkpoint rest
 optimizer state, LR schedule, loss scaler, step counters and RNG states, the restarted job ends
 with exactly the parameters of an uninterrupted one.
 
-`--kill-rank R --kill-at N` (for the test) makes rank R SIGKILL itself after step N on the
-first attempt only.
+Across machines, start the same command on every node with a c10d rendezvous (see the README):
+
+    zeroshard run --nnodes 2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint node0:29400 --rdzv-id job1 examples/train_elastic.py --ckpt /shared/ckpt
+
+For the tests, on a run that started from scratch: `--kill-rank R --kill-at N` makes rank R
+SIGKILL itself after step N; `--kill-node G --kill-at N` makes the ranks of node G (torchrun's
+GROUP_RANK) SIGKILL their torchrun agent and themselves, as when that machine fails.
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ def batch_for_step(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torc
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def main() -> None:
-    """Train `--steps` optimizer steps, checkpointing every `--save-every`."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line above."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="checkpoint directory (save_dir)")
     parser.add_argument("--steps", type=int, default=8)
@@ -49,9 +55,14 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--out", default=None, help="rank 0 saves the final parameters here")
     parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-node", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def train(args: argparse.Namespace) -> None:
+    """Train `--steps` optimizer steps, checkpointing every `--save-every`; rank 0 saves the final
+    parameters to `--out`."""
     model = make_model()
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
@@ -61,7 +72,9 @@ def main() -> None:
     path, _ = engine.load_checkpoint(args.ckpt)  # (None, None) on a fresh start
     if path is not None and engine.rank == 0:
         print(f"resumed from {path} at step {engine.global_steps}", flush=True)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    # Not the restart count: a replacement node's agent starts counting at 0 again.
+    from_scratch = path is None
+    node = int(os.environ.get("GROUP_RANK", "0"))
     while engine.global_steps < args.steps:
         inputs, targets = batch_for_step(engine.global_steps, engine.rank, 4)
         logits = engine(inputs)
@@ -70,14 +83,22 @@ def main() -> None:
         engine.step()
         if engine.global_steps % args.save_every == 0:
             engine.save_checkpoint(args.ckpt)
-        if first_attempt and engine.rank == args.kill_rank and engine.global_steps == args.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if from_scratch and engine.global_steps == args.kill_at:
+            if node == args.kill_node and "TORCHELASTIC_RUN_ID" in os.environ:
+                os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this rank
+            if node == args.kill_node or engine.rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
     state = engine.consolidated_state_dict()
     if engine.rank == 0 and args.out:
         torch.save(state, args.out)
+    engine.destroy()
+
+
+def main() -> None:
+    """Train, then leave together."""
+    train(parse_args())
     # Leave together: a rank tearing gloo down while a peer still talks to it can abort at exit,
     # which the elastic agent would count as a failure.
-    engine.destroy()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -6,6 +6,8 @@ allowance is padding (one unit, so at most N x 16 elements per buffer) and a few
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -57,6 +59,28 @@ def _measure(rank, world):
             "peak_live": getattr(policy, "peak_live_numel", None),
             "largest": max(u.padded_numel for u in engine.optimizer.units),
             **{kind: sum(report[kind].values()) for kind in ("params", "grads", "optimizer")}}
+        engine.destroy()
+    out["hosts"] = _measure_host_split(world)
+    return out
+
+
+def _measure_host_split(world):
+    """One stage-3 step's comm report with the world laid out as hosts of P ranks (P dividing N),
+    the layout torchrun's LOCAL_WORLD_SIZE describes."""
+    out = {}
+    for per_host in [p for p in (1, 2, world) if world % p == 0]:
+        os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
+        try:
+            model = _model()
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                config={"train_micro_batch_size_per_gpu": 4,
+                        "zero_optimization": {"stage": 3, **LEAN}})
+        finally:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        engine.backward(engine(torch.randn(4, 64)).pow(2).mean())
+        engine.step()
+        out[per_host] = engine.comm_report()
         engine.destroy()
     return out
 
@@ -127,3 +151,15 @@ def test_stage_ratios(ledgers):
     assert s1["optimizer"] == pytest.approx(s0["optimizer"] / n, rel=0.01)
     assert s2["grads"] == pytest.approx(s0["grads"] / n, rel=0.01)
     assert s0["params"] == s1["params"] == s2["params"]
+
+
+def test_comm_splits_into_intra_and_inter_host(ledgers):
+    """Hosts of P ranks in rank order: 1/P of every rank's bytes cross hosts when there are
+    several hosts (comm.py's ring model: H of the N hops), none on one host, all at P = 1."""
+    n, result = ledgers
+    for per_host, report in result["hosts"].items():
+        kinds = sum(report[k] for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
+        assert report["intra_host"] + report["inter_host"] == report["total"] == kinds > 0
+        share = 0.0 if per_host == n else 1 / per_host
+        # Rounding: at most half a byte per collective; a step has fewer than 100 here.
+        assert abs(report["inter_host"] - share * report["total"]) <= 50, (per_host, report)

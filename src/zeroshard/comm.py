@@ -3,6 +3,23 @@
 `Comm` counts, per rank, the bytes each collective moves under the ring model that the ZeRO paper
 uses: all-gather and reduce-scatter move (N-1)/N of the full (gathered / unreduced) payload, an
 all-reduce twice that. `comm_report()` returns the cumulative counts.
+
+Intra-host and inter-host bytes. The ledger also splits every count by the link it crosses, with
+this model: a collective over the n ranks of a group runs as a ring in group-rank order, each rank
+sending to the next; each of the ring's n hops carries the same bytes, and a hop crosses hosts when
+its two ranks are on different hosts. The crossing bytes are spread evenly over the ring's ranks:
+the inter-host share of every rank's count is c/n, c being the number of crossing hops. Hosts come
+from the node layout torchrun gives (`HostLayout.from_env`): global rank r is on host r // P,
+P = LOCAL_WORLD_SIZE, every host running P consecutive ranks, as torchrun assigns them. For the
+whole world of N = H x P ranks on H > 1 hosts, c = H and the inter-host share is H/N = 1/P; summed
+over one host's P ranks, the inter-host bytes are exactly what that host's one outgoing ring hop
+carries. One rank per host makes every byte inter-host; one host, none.
+
+The split is a model, like the counts. gloo's all-reduce is such a ring, and on two simulated hosts
+of two ranks its bytes over each host's link were within 0.3% of the model. The all-gather and
+reduce-scatter that `Comm` composes on gloo (broadcasts, pairwise exchanges) cross hosts more often
+than a ring: training there sent 1.5x the model's inter-host bytes at stages 1-2 and 1.58x at
+stage 3 (tests/test_multihost.py).
 """
 
 from __future__ import annotations
@@ -11,6 +28,7 @@ import atexit
 import datetime
 import os
 import sys
+import warnings
 from collections import defaultdict
 
 import torch
@@ -63,14 +81,18 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
         torch.cuda.set_device(local_rank or 0)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is not None and "MASTER_PORT" in os.environ:
-        # Under torchrun's elastic agent the store outlives a restart, and measured restarts
-        # intermittently read the previous attempt's gloo addresses from it ("connectFullMesh
-        # failed ... Connection refused"): key this attempt's rendezvous by the restart count.
-        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if (restart is not None and "MASTER_PORT" in os.environ
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("GROUP_WORLD_SIZE", "1") == "1"):
+        # Under torchrun's elastic agent the agent's store outlives a restart, and measured
+        # restarts intermittently read the previous attempt's gloo addresses from it
+        # ("connectFullMesh failed ... Connection refused"): key this attempt's rendezvous by the
+        # restart count. Only with one agent: each agent counts its own restarts, so across nodes
+        # the counts differ (a replaced node's agent starts at 0) and would split the ranks.
+        # There `zeroshard run` turns the shared store off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+        # and each attempt's rank 0 holds a fresh store: nothing stale to read.
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=not agent_hosts and rank == 0,
-                              timeout=timeout or datetime.timedelta(minutes=30))
+                              is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
         kwargs["store"] = dist.PrefixStore(f"zeroshard/attempt_{restart}", store)
     dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
     leave_cleanly_at_exit()
@@ -115,6 +137,46 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class HostLayout:
+    """Which host each global rank runs on: P consecutive ranks per host, in rank order."""
+
+    def __init__(self, ranks_per_host: int):
+        self.ranks_per_host = max(1, int(ranks_per_host))
+
+    @classmethod
+    def from_env(cls, world_size: int) -> "HostLayout":
+        """The layout torchrun (LOCAL_WORLD_SIZE) or Slurm (SLURM_NTASKS_PER_NODE) describes.
+
+        One host when neither says (a plain process, or ranks spawned by hand on one machine).
+        """
+        per_host = _env_int("LOCAL_WORLD_SIZE")
+        if per_host is None:
+            slurm = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+            per_host = int(slurm) if slurm.isdigit() else None  # "2(x3)" forms: not uniform
+        if per_host is None or per_host <= 0:
+            return cls(world_size)
+        group_rank, rank = _env_int("GROUP_RANK"), _env_int("RANK")
+        if world_size % per_host or (group_rank is not None and rank is not None
+                                     and group_rank != rank // per_host):
+            # Hosts of different sizes: the ranks of host h are not h*P .. h*P+P-1.
+            warnings.warn(f"comm ledger: hosts do not all run LOCAL_WORLD_SIZE={per_host} ranks; "
+                          "its intra-/inter-host split assumes they do", RuntimeWarning,
+                          stacklevel=2)
+        return cls(per_host)
+
+    def host(self, rank: int) -> int:
+        """The host of global rank `rank`."""
+        return rank // self.ranks_per_host
+
+    def crossing_share(self, ranks: list[int]) -> float:
+        """The share of a ring's hops over `ranks` (global ranks, ring order) that cross hosts."""
+        n = len(ranks)
+        if n < 2:
+            return 0.0
+        crossing = sum(self.host(ranks[i]) != self.host(ranks[(i + 1) % n]) for i in range(n))
+        return crossing / n
 
 
 def default_device() -> torch.device:
@@ -201,9 +263,12 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.bytes = defaultdict(int)
+        self.inter_host_bytes = defaultdict(int)
         self.composed = dist.get_backend(group) == "gloo"
         self._ranks = [dist.get_global_rank(group, r) if group is not None else r
                        for r in range(self.world_size)]
+        self.layout = HostLayout.from_env(dist.get_world_size())
+        self.crossing_share = self.layout.crossing_share(self._ranks)
         self._tag = 0
 
     def next_tag(self) -> int:
@@ -213,7 +278,9 @@ class Comm:
 
     def _count(self, kind: str, payload_bytes: int, factor: float) -> None:
         n = self.world_size
-        self.bytes[kind] += int(round(factor * payload_bytes * (n - 1) / n))
+        moved = int(round(factor * payload_bytes * (n - 1) / n))
+        self.bytes[kind] += moved
+        self.inter_host_bytes[kind] += int(round(moved * self.crossing_share))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """Sum (or `op`) `tensor` in place across ranks."""
@@ -268,14 +335,21 @@ class Comm:
             dist.barrier(group=self.group)
 
     def report(self) -> dict[str, int]:
-        """Cumulative bytes moved by this rank per collective kind, plus "total"."""
+        """Cumulative bytes moved by this rank per collective kind, "total", and its host split.
+
+        "intra_host" + "inter_host" = "total", by the ring model of the module docstring.
+        """
         out = {k: int(self.bytes.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+        out.update((k, int(v)) for k, v in self.bytes.items() if k not in out)  # any other kind
         out["total"] = sum(out.values())
+        inter = int(sum(self.inter_host_bytes.values()))
+        out["intra_host"], out["inter_host"] = out["total"] - inter, inter
         return out
 
     def reset(self) -> None:
         """Zero the ledger (e.g. to measure one step)."""
         self.bytes.clear()
+        self.inter_host_bytes.clear()
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable `obj`, in rank order (small control messages; not in the ledger)."""

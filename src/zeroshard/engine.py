@@ -198,7 +198,11 @@ class Engine(nn.Module):
         return report
 
     def comm_report(self) -> dict[str, int]:
-        """Cumulative bytes this rank moved per collective kind (ring model), plus "total"."""
+        """Cumulative bytes this rank moved per collective kind (ring model), plus "total".
+
+        "total" is also split into "intra_host" / "inter_host" (torchrun's node layout; see
+        zeroshard.comm).
+        """
         return self.comm.report()
 
     # -- checkpoints (checkpoint.py) ---------------------------------------------------------------

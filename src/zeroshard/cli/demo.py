@@ -6,7 +6,9 @@ trains a character-level decoder-only transformer on Python standard-library sou
 with the interpreter (no download), once per variant in `VARIANTS`, with the same seed, initial
 weights and data order each time, and rank 0 prints one table: final loss, median step time, and
 the bytes of parameters / gradients / optimizer state this rank holds according to
-`engine.memory_report()`.
+`engine.memory_report()`, then the bytes one step moved according to `engine.comm_report()`,
+split into intra-host and inter-host (torchrun's node layout). torchrun options the demo does not
+know (`--nnodes`, `--rdzv-*`, ...) go to `zeroshard run`, so the demo also runs across machines.
 Because every variant does the same arithmetic, their losses must agree; the last line checks it.
 """
 
@@ -28,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .launch import UsageError, run_command
+from .launch import UsageError, build_run_parser, run_command
 
 # One entry per row of the table: label -> the `zero_optimization` section that selects it.
 # Adding a variant (offload, ...) is one line here.
@@ -205,6 +207,10 @@ class VariantResult:
     on_device: int = 0
     estimate: dict[str, float] = field(default_factory=dict)
     """`zeroshard.estimate.model_states` for the same configuration, bytes per kind."""
+    comm: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank moved in the last step: "total", "intra_host", "inter_host"."""
+    hosts: tuple[int, int] = (1, 1)
+    """(hosts, ranks per host), from the node layout the comm ledger uses."""
 
     @property
     def model_states(self) -> int:
@@ -253,6 +259,7 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
             x, y = batch_for_step(data, step, engine.rank, engine.world_size, args.micro_batch,
                                   block, args.seed)
             x, y = x.to(engine.device), y.to(engine.device)
+            comm_before = engine.comm_report()
             start = time.perf_counter()
             logits = engine(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -266,6 +273,9 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
             if engine.device.type == "cuda":  # kernels run asynchronously: wait for them
                 torch.cuda.synchronize(engine.device)
             result.step_ms.append((time.perf_counter() - start) * 1e3)
+            comm_after = engine.comm_report()
+            result.comm = {k: comm_after[k] - comm_before[k]
+                           for k in ("total", "intra_host", "inter_host")}
             mean_loss = loss.detach().float().clone()
             dist.all_reduce(mean_loss)
             result.losses.append(mean_loss.item() / engine.world_size)
@@ -276,6 +286,8 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
         result.memory = {k: max(after_backward.get(k, 0), after_step.get(k, 0))
                          for k in after_backward.keys() | after_step.keys()}
         result.on_device = max(device_backward, _device_bytes(report))
+        per_host = engine.comm.layout.ranks_per_host
+        result.hosts = (max(1, engine.world_size // per_host), min(per_host, engine.world_size))
         engine.destroy()  # removes the swap files
     del engine, model, logits, loss
     gc.collect()
@@ -320,6 +332,19 @@ def format_table(results: list[VariantResult]) -> list[str]:
             f"{r.on_device / MB:>11.3f}  {saving}")
     lines.append(loss_agreement(results))
     lines.append(estimate_agreement(results))
+    return lines
+
+
+def comm_table(results: list[VariantResult]) -> list[str]:
+    """Bytes one step moved per rank, intra-host and inter-host, as printed by rank 0."""
+    hosts, per_host = results[0].hosts
+    lines = [f"communication per step and rank (engine.comm_report(), ring model; {hosts} "
+             f"host{'s' if hosts > 1 else ''} x {per_host} rank{'s' if per_host > 1 else ''}):",
+             f"{'stage':<7}{'total MB':>10}{'intra-host MB':>15}{'inter-host MB':>15}"]
+    for r in results:
+        lines.append(f"{r.name:<7}{r.comm.get('total', 0) / MB:>10.3f}"
+                     f"{r.comm.get('intra_host', 0) / MB:>15.3f}"
+                     f"{r.comm.get('inter_host', 0) / MB:>15.3f}")
     return lines
 
 
@@ -379,7 +404,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeroshard demo",
         description="Train a small GPT-style character model at several ZeRO stages on N ranks "
-                    "and print the memory per rank each stage measured.")
+                    "and print the memory per rank each stage measured.",
+        epilog="Other options are zeroshard run's (torchrun's), e.g. --nnodes 2 --rdzv-backend "
+               "c10d --rdzv-endpoint HOST:PORT on each of two machines.")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help=f"training steps per stage (default {DEFAULT_STEPS})")
     parser.add_argument("--stages", default=DEFAULT_STAGES,
@@ -434,6 +461,7 @@ def worker_main(argv: list[str]) -> int:
               "(total = params + grads + optimizer state wherever they are; device = the part "
               "on the compute device, which +cpu / +nvme offload moves to CPU memory / swap "
               "files).", flush=True)
+        print("\n" + "\n".join(comm_table(results)), flush=True)
         if args.plot:
             save_plot(results, args.plot)
             print(f"plot written to {args.plot}")
@@ -445,7 +473,12 @@ def worker_main(argv: list[str]) -> int:
 
 def cli_main(argv: list[str]) -> int:
     """`zeroshard demo`: start the ranks through `zeroshard run` and return the exit code."""
-    args = _parser().parse_args(argv)
+    args, launcher = _parser().parse_known_args(argv)
+    # Options the demo does not know must be zeroshard run's (torchrun's): check them here, so a
+    # typo is reported as the demo's.
+    unknown = build_run_parser().parse_known_args([*launcher, "-m", "zeroshard.cli.demo"])[1]
+    if unknown or any(not a.startswith("-") for a in launcher[:1]):
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown or launcher)}")
     try:
         names = _parse_stages(args.stages)
     except ValueError as err:
@@ -469,7 +502,7 @@ def cli_main(argv: list[str]) -> int:
               "--lr", str(args.lr)]
     if args.plot:
         worker += ["--plot", args.plot]
-    return run_command([*launch, "--no_local_rank", "-m", "zeroshard.cli.demo", *worker])
+    return run_command([*launch, *launcher, "--no_local_rank", "-m", "zeroshard.cli.demo", *worker])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ under `torchrun`. What it adds is defaults and DeepSpeed-launcher spellings, not
 * with no rendezvous / master options on a single node, `--standalone` is implied (a c10d store on a
   free port, so two jobs on one machine never fight over port 29500);
 * `--num_gpus` / `--num_nodes` are accepted for `--nproc-per-node` / `--nnodes`;
+* across nodes, the rendezvous host, `--local-addr` and GLOO_SOCKET_IFNAME come from the route to
+  the rendezvous endpoint when not given (cli/nodes.py);
 * `--local_rank=<n>` is appended to each worker's arguments only when the script's source declares
   such an option (torchrun itself never passes it), mirroring the DeepSpeed launcher.
 """
@@ -23,11 +25,18 @@ import shutil
 import sys
 from pathlib import Path
 
+from .nodes import announce, apply_node_defaults
+
 _RUN_EPILOG = """\
 defaults added by zeroshard (everything else is torchrun's):
   --nproc-per-node   number of CUDA GPUs when CUDA is available, else 2
   --standalone       implied on a single node when no --rdzv-*/--master-* option is given,
                      so that concurrent jobs on one machine each get a free port
+across nodes (--nnodes > 1), unless given:
+  --rdzv-conf is_host=1   on the node whose own address is the --rdzv-endpoint host
+  --local-addr            this node's address on the route to the rendezvous endpoint
+  GLOO_SOCKET_IFNAME      the interface holding that address
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   (c10d) a fresh store for each restarted attempt
 DeepSpeed launcher spellings:
   --num_gpus N       same as --nproc-per-node N
   --num_nodes N      same as --nnodes N
@@ -80,6 +89,9 @@ def prepare_run_args(argv: list[str]) -> argparse.Namespace:
     if not args.standalone and _single_node(args) and all(
             getattr(args, k) == v for k, v in _RDZV_DEFAULTS.items()):
         args.standalone = True
+    args.node_notes, args.node_env = [], {}
+    if not args.standalone and not _single_node(args):
+        args.node_notes, args.node_env = apply_node_defaults(args)
     if not args.no_local_rank:
         flag = declared_local_rank_flag(args.training_script, module=args.module)
         given = any(a.split("=")[0] in ("--local_rank", "--local-rank")
@@ -96,6 +108,8 @@ def prepare_run_args(argv: list[str]) -> argparse.Namespace:
 def run_command(argv: list[str]) -> int:
     """`zeroshard run`: launch through torch.distributed.run in this process; return exit code."""
     args = prepare_run_args(argv)
+    os.environ.update(args.node_env)  # inherited by the workers
+    announce(args.node_notes, args.rdzv_endpoint or args.master_addr)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 

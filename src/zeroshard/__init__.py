@@ -12,6 +12,7 @@ from .accelerator import get_accelerator
 from .core.desync import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
 from .core.scaler import LossScaleError
+from .integrations.accelerate import Accelerator, DeepSpeedPlugin
 
 __version__ = "0.1.0"
 
@@ -29,7 +30,7 @@ def add_config_arguments(parser):
 
 
 __all__ = [
-    "ConfigError", "DesyncError", "Engine", "GatheredParameters", "Init", "LossScaleError",
+    "Accelerator", "DeepSpeedPlugin", "ConfigError", "DesyncError", "Engine", "GatheredParameters", "Init", "LossScaleError",
     "NonFiniteGradientError", "NotSupportedYetError", "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
     "load_config", "load_full_state_dict", "prepare", "accelerator", "comm", "get_accelerator",
     "ops", "utils", "zero", "__version__",

@@ -77,6 +77,9 @@ def test_deepspeed_spellings_map_onto_torchrun(tmp_path):
     assert (args.nproc_per_node, args.master_addr, args.master_port) == ("3", "10.0.0.1", 29600)
     assert not args.standalone  # the user chose the rendezvous
     assert (args.log_dir, args.redirects) == (str(tmp_path / "logs"), "3")
+    # The node-level variables DeepSpeed's launcher sets too.
+    assert {k: args.zeroshard_env[k] for k in ("LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")} == \
+        {"LOCAL_SIZE": "3", "CROSS_RANK": "0", "CROSS_SIZE": "1"}
     args = launch.prepare_run_args(["--no_ssh_check", "--log_level", "info", "-q", script])
     assert args.standalone
     message = _usage_error(["--launcher", "openmpi", script])

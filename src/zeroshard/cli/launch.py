@@ -140,6 +140,7 @@ def prepare_run_args(argv: list[str]) -> argparse.Namespace:
             args.training_script_args = [f"{flag}={macros.local_rank}",
                                          *args.training_script_args]
     env.update(_alias_env(args, source))
+    env.update(_deepspeed_env(args))
     if args.bind_cores_to_rank or args.bind_core_list:
         _bind_cores(args)
     args.zeroshard_env = env
@@ -177,6 +178,17 @@ def _alias_env(args: argparse.Namespace, source: str) -> dict[str, str]:
         return {}
     path = os.environ.get("PYTHONPATH", "")
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), path) if p)}
+
+
+def _deepspeed_env(args: argparse.Namespace) -> dict[str, str]:
+    """The node-level variables DeepSpeed's launcher sets besides torchrun's: LOCAL_SIZE (ranks
+    on this node), CROSS_RANK (this node) and CROSS_SIZE (nodes), where they are fixed numbers."""
+    env = {"CROSS_RANK": str(args.node_rank)}
+    if str(args.nproc_per_node).isdigit():
+        env["LOCAL_SIZE"] = str(args.nproc_per_node)
+    if str(args.nnodes).split(":")[-1] == str(args.nnodes).split(":")[0].strip():
+        env["CROSS_SIZE"] = str(args.nnodes).split(":")[0]
+    return env
 
 
 def _deepspeed_installed() -> bool:

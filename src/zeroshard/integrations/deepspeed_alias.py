@@ -126,6 +126,7 @@ class DeepSpeedModule(types.ModuleType):
 
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec):
+        """A DeepSpeedModule over the zeroshard module that answers `spec.name` (or none)."""
         target = ALIASES.get(spec.name)
         return DeepSpeedModule(spec.name, importlib.import_module(target) if target else None)
 

@@ -32,7 +32,7 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from ..comm import Comm, default_device, init_distributed
 from ..config.auto import resolve_auto
@@ -228,9 +228,9 @@ class Accelerator(RankMixin):
 
     def _prepare_loader(self, loader: DataLoader, device_placement) -> PreparedDataLoader:
         seed = torch.zeros(1, dtype=torch.int64)
-        if self.is_main_process:
-            generator = getattr(loader.sampler, "generator", None)
-            seed.random_(0, 2**62, generator=generator)
+        if self.is_main_process and isinstance(loader.sampler, RandomSampler):
+            # Drawn as RandomSampler would draw its own (from its generator, else torch's).
+            seed.random_(0, 2**62, generator=loader.sampler.generator)
         self.comm.broadcast(seed, src=0)
         place = self.device_placement if device_placement is None else device_placement
         prepared = PreparedDataLoader(loader, self.num_processes, self.process_index,
@@ -519,7 +519,10 @@ class AcceleratedScheduler:
         """Nothing: the engine steps the scheduler after each applied optimizer step."""
 
     def __getattr__(self, name: str):
-        return getattr(self.__dict__["scheduler"], name)
+        scheduler = self.__dict__.get("scheduler")
+        if scheduler is None:
+            raise AttributeError(name)
+        return getattr(scheduler, name)
 
 
 def _is_scheduler(obj) -> bool:

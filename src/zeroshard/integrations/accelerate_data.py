@@ -184,7 +184,10 @@ class PreparedDataLoader:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
 
     def __getattr__(self, name: str):
-        return getattr(self.__dict__["loader"], name)  # sampler, num_workers, ... of the original
+        loader = self.__dict__.get("loader")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)  # sampler, num_workers, ... of the original
 
 
 class SkipBatches:

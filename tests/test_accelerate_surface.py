@@ -113,6 +113,8 @@ def _surface(rank, world, tmp):
     accelerator.backward(engine(**batch).loss)
     for name, call in (("twice", lambda: accelerator.backward(engine(**batch).loss)),
                        ("value", lambda: accelerator.clip_grad_value_(engine.parameters(), 1.0)),
+                       ("plain backward", lambda: (optimizer.step(), engine(**batch).loss.backward(),
+                                                   optimizer.step())),
                        ("subset", lambda: accelerator.clip_grad_norm_([next(engine.parameters())], 1.0)),
                        ("second model", lambda: accelerator.prepare(CausalLM(), torch.optim.SGD(
                            CausalLM().parameters(), lr=0.1))),
@@ -123,7 +125,6 @@ def _surface(rank, world, tmp):
             errors[name] = "no error"
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             errors[name] = f"{type(err).__name__}: {err}"
-    optimizer.step()
     out["errors"] = errors
     out["printed"] = accelerator.is_local_main_process
     engine.destroy()
@@ -200,6 +201,7 @@ def test_errors_say_what_to_do(surface):
     errors = surface[1][0]["errors"]
     assert "optimizer.step() was not called" in errors["twice"]
     assert "clip_grad_value_ is not supported with ZeRO" in errors["value"]
+    assert "instead of loss.backward()" in errors["plain backward"]
     assert "pass model.parameters()" in errors["subset"]
     assert "one model per Accelerator" in errors["second model"]
     assert "Accelerator(split_batches=True) is not supported" in errors["split"]

@@ -109,6 +109,7 @@ class Accelerator(RankMixin):
         self._active: list[PreparedDataLoader] = []
         self._ends: dict[int, bool] = {}
         self._sync, self._pending, self._in_accumulate, self._accumulate_step = True, False, False, 0
+        self._backward_seen = False  # an accelerator.backward since the last optimizer.step()
 
     # -- who and where -----------------------------------------------------------------------------
     @property
@@ -186,9 +187,6 @@ class Accelerator(RankMixin):
         optimizers = [i for i, a in enumerate(args)
                       if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)]
         schedulers = [i for i, a in enumerate(args) if _is_scheduler(a)]
-        for i, arg in enumerate(args):
-            if isinstance(arg, DataLoader):
-                out[i] = self._prepare_loader(arg, device_placement)
         if len(models) > 1 or (models and self.engine is not None):
             raise ValueError("prepare(): one model per Accelerator (as with Accelerate's DeepSpeed "
                              "integration); this one already has one")
@@ -196,6 +194,9 @@ class Accelerator(RankMixin):
             raise ValueError("prepare(): one optimizer per model; combine them as param groups")
         if optimizers and not models:
             raise ValueError("prepare(): pass the optimizer in the same prepare() call as its model")
+        for i, arg in enumerate(args):
+            if isinstance(arg, DataLoader):
+                out[i] = self._prepare_loader(arg, device_placement)
         if models:
             optimizer = args[optimizers[0]] if optimizers else None
             scheduler = next((args[i] for i in schedulers
@@ -264,6 +265,7 @@ class Accelerator(RankMixin):
             engine.set_gradient_accumulation_boundary(None)
             self._sync = engine.is_gradient_accumulation_boundary()
         engine.backward(loss, **kwargs)
+        self._backward_seen = True
         if self._sync:
             self._pending = True
         else:
@@ -489,6 +491,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         """Apply the step of the accumulation window that the last backward ended (if any)."""
         if closure is not None:
             raise ValueError("optimizer.step(closure) is not supported with ZeRO")
+        if not self.accelerator._backward_seen:
+            raise RuntimeError("optimizer.step() without accelerator.backward(loss) since the last "
+                               "step: call accelerator.backward(loss) instead of loss.backward() "
+                               "(the engine scales, accumulates and steps through it)")
+        self.accelerator._backward_seen = False
         self.accelerator._step()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:

@@ -87,9 +87,12 @@ class Placement:
             torch.cuda.synchronize()
         if not fp32:
             return torch.zeros(1, dtype=torch.float64)
-        # _foreach_norm reduces without materialising squared copies of the shards (in fp32 even
-        # for bf16 gradients, so the norm does not lose precision).
-        norms = torch._foreach_norm(fp32, 2, dtype=torch.float32)
+        # _foreach_norm reduces without materialising squared copies of the shards (bf16 master
+        # gradients accumulate in fp32, so the norm does not lose precision).
+        if self.master_dtype == torch.float32:
+            norms = torch._foreach_norm(fp32)
+        else:
+            norms = torch._foreach_norm(fp32, 2, dtype=torch.float32)
         return torch.stack(norms).double().pow(2).sum().reshape(1)
 
     def step(self, factor: float) -> None:

@@ -23,6 +23,8 @@ from zeroshard.cli.deepspeed_flags import _physical_cores  # noqa: E402
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "tests" / "ds_example_script.py"
 WORLD = 2
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < WORLD,
+                                reason="two ranks need two GPUs where CUDA is available")
 
 
 def _reference() -> dict[str, torch.Tensor]:

@@ -121,7 +121,11 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("path, names", [
     ("zeroshard", ["initialize", "prepare", "Init", "GatheredParameters", "init_distributed",
-                   "add_config_arguments", "load_config", "ConfigError", "Engine"]),
+                   "add_config_arguments", "load_config", "ConfigError", "Engine", "Accelerator",
+                   "DeepSpeedPlugin", "get_accelerator"]),
+    ("zeroshard.accelerator", ["get_accelerator", "CpuAccelerator", "CudaAccelerator"]),
+    ("zeroshard.integrations.accelerate", ["Accelerator", "DeepSpeedPlugin"]),
+    ("zeroshard.integrations.deepspeed_alias", ["install", "UnsupportedError"]),
     ("zeroshard.zero", ["Init", "GatheredParameters", "ZeroParamStatus", "load_full_state_dict"]),
     ("zeroshard.ops.adam", ["DeepSpeedCPUAdam", "FusedAdam"]),
     ("zeroshard.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),

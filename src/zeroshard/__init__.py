@@ -7,10 +7,12 @@ from .config.schema import ConfigError, NotSupportedYetError, load_config
 from .engine import Engine, initialize, is_initialized, prepare
 from .core.gathered import GatheredParameters
 from .core.init import Init, load_full_state_dict
-from . import comm, ops, utils, zero
+from . import accelerator, comm, ops, utils, zero
+from .accelerator import get_accelerator
 from .core.desync import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
 from .core.scaler import LossScaleError
+from .integrations.accelerate import Accelerator, DeepSpeedPlugin
 
 __version__ = "0.1.0"
 
@@ -28,7 +30,8 @@ def add_config_arguments(parser):
 
 
 __all__ = [
-    "ConfigError", "DesyncError", "Engine", "GatheredParameters", "Init", "LossScaleError",
+    "Accelerator", "DeepSpeedPlugin", "ConfigError", "DesyncError", "Engine", "GatheredParameters", "Init", "LossScaleError",
     "NonFiniteGradientError", "NotSupportedYetError", "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
-    "load_config", "load_full_state_dict", "prepare", "comm", "ops", "utils", "zero", "__version__",
+    "load_config", "load_full_state_dict", "prepare", "accelerator", "comm", "get_accelerator",
+    "ops", "utils", "zero", "__version__",
 ]

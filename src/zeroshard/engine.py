@@ -49,6 +49,8 @@ class Engine(nn.Module):
         self._boundary_override: bool | None = None
         self.training_dataloader = None
         self.compute_dtype = _compute_dtype(config)
+        autocast = config.torch_autocast
+        self.autocast_dtype = getattr(torch, autocast.dtype) if autocast.enabled else None
 
     # -- DeepSpeed-style accessors -----------------------------------------------------------------
     @property
@@ -127,7 +129,11 @@ class Engine(nn.Module):
         if self.compute_dtype is not None:
             args = tuple(_cast(a, self.compute_dtype) for a in args)
             kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
+        if self.autocast_dtype is None:
+            return self.module(*args, **kwargs)
+        # The config's torch_autocast (DeepSpeed's): it also replaces an autocast the caller opened.
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss` scaled by the fp16 loss scale and 1/accumulation steps."""
@@ -321,6 +327,14 @@ def _compute_dtype(config: ZeroConfig) -> torch.dtype | None:
     return None
 
 
+def _master_dtype(config: ZeroConfig) -> torch.dtype:
+    """bf16 for DeepSpeed's bf16_master_weights_and_grads (with bf16_optimizer_states), else fp32."""
+    bf16 = config.bf16
+    if bf16.enabled and bf16.bf16_master_weights_and_grads and config.zero_optimization.stage > 0:
+        return torch.bfloat16
+    return torch.float32
+
+
 def _resolve_config(config, args, config_params):
     if config is None:
         config = config_params
@@ -391,7 +405,7 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
                          unit_classes=zero.zeroshard_unit_classes,
                          make_placement=functools.partial(
                              make_placement, zero.offload_optimizer if zero.stage > 0 else None,
-                             cfg.aio, rank=comm.rank))
+                             cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)))
     if dtype is not None:
         model.to(dtype)  # what the units did not cover: frozen parameters and buffers
     _broadcast_from_rank0(model, zopt, comm)

@@ -43,7 +43,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetad
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from .verify import (CheckpointError, SafeReader, agree, gather_digests, owner,
+from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
                                 read_meta, seal, torch_load_verified)
 
 __all__ = ["CheckpointError", "SafeReader", "load_checkpoint", "quiet_dcp", "resolve_tag",
@@ -166,9 +166,14 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
     """Write this rank's part of a checkpoint (every rank calls it); returns the tag's path."""
     opt, comm = engine.optimizer, engine.comm
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    try:
+        client_bytes, client_error = _check_client_state(client_state if client_state is not None
+                                                         else {}), None
+    except ValueError as err:
+        client_bytes, client_error = b"", str(err)
+    _agree_on_target(comm, os.path.normpath(os.fspath(save_dir)), tag, client_error)
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
-    client_bytes = _check_client_state(client_state if client_state is not None else {})
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     if comm.rank == 0:
@@ -253,6 +258,30 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
             _fsync_dir(save_dir)
     comm.barrier()
     return final
+
+
+def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None) -> None:
+    """Before anything is written, every rank learns every rank's save_dir, tag and client_state
+    verdict; all raise if they differ, so no rank leaves a half checkpoint that `latest` would
+    name (DeepSpeed's tutorial uses `ckpt_id = loss.item()`, which differs per rank)."""
+    views = comm.all_gather_object((save_dir, tag, client_error))
+    problems = []
+    for index, what in ((0, "save_dir"), (1, "tag")):
+        by_value: dict[str, list[int]] = {}
+        for rank, view in enumerate(views):
+            by_value.setdefault(view[index], []).append(rank)
+        if len(by_value) > 1:
+            problems.append(f"the ranks disagree on the checkpoint {what}: " + "; ".join(
+                f"{_ranks(ranks)}: {value!r}" for value, ranks in by_value.items()))
+    if problems:
+        raise CheckpointError(
+            "save_checkpoint: " + "; ".join(problems) + ". Every rank must pass the same save_dir "
+            "and tag (e.g. tag=f'global_step{engine.global_steps}', or tag=None for that default); "
+            "nothing was written and 'latest' is unchanged")
+    errors = [(rank, view[2]) for rank, view in enumerate(views) if view[2] is not None]
+    if errors:
+        raise ValueError("; ".join(f"rank {rank}: {error}" for rank, error in errors)
+                         if len(views) > 1 else errors[0][1])
 
 
 def _fsync_dir(path: str) -> None:

@@ -3,7 +3,8 @@
 `zeroshard run [torchrun options] script.py [script args]` parses its options with torchrun's own
 parser (`torch.distributed.run.get_args_parser`) and hands the result to `torch.distributed.run.run`
 in this process, so every torchrun option, elastic restarts and c10d rendezvous behave exactly as
-under `torchrun`. What it adds is defaults and DeepSpeed-launcher spellings, nothing else:
+under `torchrun`. What it adds is defaults, DeepSpeed's launcher flags and Accelerate's config
+file, each mapped onto torchrun options (deepspeed_flags.py), and nothing else:
 
 * `--nproc-per-node` defaults to the number of CUDA devices, or 2 on a machine without CUDA;
 * with no rendezvous / master options on a single node, `--standalone` is implied (a c10d store on a
@@ -11,8 +12,12 @@ under `torchrun`. What it adds is defaults and DeepSpeed-launcher spellings, not
 * `--num_gpus` / `--num_nodes` are accepted for `--nproc-per-node` / `--nnodes`;
 * across nodes, the rendezvous host, `--local-addr` and GLOO_SOCKET_IFNAME come from the route to
   the rendezvous endpoint when not given (cli/nodes.py);
-* `--local_rank=<n>` is appended to each worker's arguments only when the script's source declares
-  such an option (torchrun itself never passes it), mirroring the DeepSpeed launcher.
+* `--local_rank=<n>` is appended to each worker's arguments when the script's source declares such
+  an option or imports deepspeed (DeepSpeed's launcher always passes it; torchrun never does);
+* `import deepspeed` in the workers loads zeroshard when DeepSpeed is not installed
+  (integrations/deepspeed_alias.py; `--alias-deepspeed` when it is);
+* `--config_file accelerate.yaml` takes ranks, nodes and rendezvous from an `accelerate config`
+  file and hands it to `zeroshard.Accelerator` in the workers (accelerate launch's --config_file).
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from . import deepspeed_flags
 from .nodes import announce, apply_node_defaults
+
+#: The directory whose deepspeed.py makes `import deepspeed` load zeroshard in the workers.
+SHIM = Path(__file__).resolve().parent.parent / "integrations" / "_deepspeed_shim"
+#: Run by path to pin each worker to its cores (--bind_cores_to_rank).
+BIND = Path(__file__).resolve().parent / "bind.py"
 
 _RUN_EPILOG = """\
 defaults added by zeroshard (everything else is torchrun's):
@@ -37,14 +48,31 @@ across nodes (--nnodes > 1), unless given:
   --local-addr            this node's address on the route to the rendezvous endpoint
   GLOO_SOCKET_IFNAME      the interface holding that address
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   (c10d) a fresh store for each restarted attempt
-DeepSpeed launcher spellings:
-  --num_gpus N       same as --nproc-per-node N
-  --num_nodes N      same as --nnodes N
+DeepSpeed launcher flags (each mapped onto torchrun; zeroshard never ssh-es):
+  --num_gpus N / --num_nodes N      --nproc-per-node N / --nnodes N
+  --master_addr, --master_port, --node_rank, --module, --no_python: torchrun's own
+  --include localhost:0,1 / --exclude localhost:0   this node's devices (CUDA_VISIBLE_DEVICES)
+  --bind_cores_to_rank [--bind_core_list 0-7]   each rank on its share of the cores,
+                                    OMP_NUM_THREADS = that share
+  --hostfile FILE                   one local host: its slots are the rank count; several hosts:
+                                    run on each with --no_ssh --node_rank R --master_addr A
+                                    (torchrun's static rendezvous), or see the error for the
+                                    torchrun / Slurm command lines
+  --enable_each_rank_log DIR        torchrun's --log-dir DIR --redirects 3
+import deepspeed:
+  when DeepSpeed is not installed, a script's 'import deepspeed' and 'from deepspeed.X import Y'
+  load zeroshard's modules in the workers (only under zeroshard run; 'python script.py' still
+  needs 'import zeroshard as deepspeed'). --alias-deepspeed does it even when DeepSpeed is
+  installed; --no-alias-deepspeed never.
 local rank:
-  torchrun gives each worker LOCAL_RANK in its environment. If the script's source declares a
-  '--local_rank' (or '--local-rank') option, each worker also gets '--local_rank=<n>' (in the
-  spelling the script declares) before the script's own arguments, as under DeepSpeed's
-  launcher; a script that does not declare it never receives it. --no_local_rank turns this off.
+  torchrun gives each worker LOCAL_RANK in its environment. A script that declares a
+  '--local_rank' (or '--local-rank') option, or imports deepspeed (DeepSpeed's launcher always
+  passes it), also gets '--local_rank=<n>' before its own arguments. --no_local_rank turns this
+  off.
+Accelerate:
+  --config_file accelerate.yaml     an 'accelerate config' file: num_processes, num_machines,
+                                    machine_rank, main_process_ip/port and the ZeRO settings
+                                    that zeroshard.Accelerator() in the script reads
 """
 
 # Options that, when given, mean the user chose the rendezvous: leave it to torchrun untouched.
@@ -59,7 +87,7 @@ class UsageError(Exception):
 
 
 def build_run_parser() -> argparse.ArgumentParser:
-    """torchrun's argument parser, renamed, with the DeepSpeed-launcher spellings added."""
+    """torchrun's argument parser, renamed, with DeepSpeed's launcher flags and --config_file."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -68,23 +96,42 @@ def build_run_parser() -> argparse.ArgumentParser:
                           "(torch.distributed.run); all torchrun options are accepted.")
     parser.epilog = _RUN_EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    # No abbreviations: the script's own arguments come after it, and one that is a prefix of
+    # two launcher options ("--a", "--b") would otherwise stop the launch as ambiguous.
+    parser.allow_abbrev = False
     if "PET_NPROC_PER_NODE" not in os.environ:
         parser.set_defaults(nproc_per_node=None)  # None: fill in from the hardware later
     group = parser.add_argument_group("zeroshard additions")
-    group.add_argument("--num_gpus", "--num-gpus", dest="nproc_per_node", default=argparse.SUPPRESS,
-                       metavar="N", help="DeepSpeed launcher spelling of --nproc-per-node")
+    group.add_argument("--num_gpus", "--num-gpus", "--num_accelerators", dest="nproc_per_node",
+                       default=argparse.SUPPRESS, metavar="N",
+                       help="DeepSpeed launcher spelling of --nproc-per-node")
     group.add_argument("--num_nodes", "--num-nodes", dest="nnodes", default=argparse.SUPPRESS,
                        metavar="N", help="DeepSpeed launcher spelling of --nnodes")
     group.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
                        help="never append --local_rank=<n> to the script's arguments")
+    group.add_argument("--alias-deepspeed", "--alias_deepspeed", action="store_true",
+                       help="'import deepspeed' loads zeroshard even though DeepSpeed is installed")
+    group.add_argument("--no-alias-deepspeed", "--no_alias_deepspeed", action="store_true",
+                       help="never make 'import deepspeed' load zeroshard")
+    group.add_argument("--config_file", "--config-file", default=None, metavar="YAML",
+                       help="an 'accelerate config' file (accelerate launch's --config_file)")
+    deepspeed_flags.add_arguments(parser)
     return parser
 
 
 def prepare_run_args(argv: list[str]) -> argparse.Namespace:
-    """Parse `zeroshard run` arguments and apply zeroshard's defaults; raises UsageError."""
+    """Parse `zeroshard run` arguments and apply zeroshard's defaults and translations; the
+    environment the workers need is `args.zeroshard_env`. Raises UsageError."""
     args = build_run_parser().parse_args(argv)
+    env: dict[str, str] = {}
+    try:
+        if args.config_file:
+            env.update(_apply_accelerate_config(args, argv))
+        env.update(deepspeed_flags.apply(args, argv, _cuda_count()))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if args.nproc_per_node is None:
-        args.nproc_per_node = str(_default_nproc())
+        args.nproc_per_node = str(_default_nproc(env))
     _check_script(args)
     if not args.standalone and _single_node(args) and all(
             getattr(args, k) == v for k, v in _RDZV_DEFAULTS.items()):
@@ -92,8 +139,10 @@ def prepare_run_args(argv: list[str]) -> argparse.Namespace:
     args.node_notes, args.node_env = [], {}
     if not args.standalone and not _single_node(args):
         args.node_notes, args.node_env = apply_node_defaults(args)
+    source = script_source(args.training_script, module=args.module)
     if not args.no_local_rank:
-        flag = declared_local_rank_flag(args.training_script, module=args.module)
+        flag = declared_local_rank_flag(args.training_script, module=args.module) or \
+            ("--local_rank" if deepspeed_flags.imports_deepspeed(source) else None)
         given = any(a.split("=")[0] in ("--local_rank", "--local-rank")
                     for a in args.training_script_args)
         if flag and not given:
@@ -102,6 +151,11 @@ def prepare_run_args(argv: list[str]) -> argparse.Namespace:
             # torchrun's agent replaces the ${local_rank} macro with each worker's local rank.
             args.training_script_args = [f"{flag}={macros.local_rank}",
                                          *args.training_script_args]
+    env.update(_alias_env(args, source))
+    env.update(_deepspeed_env(args))
+    if args.bind_cores_to_rank or args.bind_core_list:
+        _bind_cores(args)
+    args.zeroshard_env = env
     return args
 
 
@@ -113,6 +167,7 @@ def run_command(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    os.environ.update(args.zeroshard_env)  # the workers inherit this process's environment
     try:
         run(args)
     except ChildFailedError as err:
@@ -123,12 +178,120 @@ def run_command(argv: list[str]) -> int:
     return 0
 
 
-def _default_nproc() -> int:
+def _alias_env(args: argparse.Namespace, source: str) -> dict[str, str]:
+    """PYTHONPATH with the `import deepspeed` shim first, unless DeepSpeed itself should load."""
+    if args.alias_deepspeed and args.no_alias_deepspeed:
+        raise UsageError("--alias-deepspeed and --no-alias-deepspeed contradict each other")
+    if args.no_alias_deepspeed:
+        return {}
+    if _deepspeed_installed() and not args.alias_deepspeed:
+        if deepspeed_flags.imports_deepspeed(source):
+            print(f"zeroshard run: DeepSpeed is installed, so 'import deepspeed' in "
+                  f"{args.training_script} loads DeepSpeed itself; pass --alias-deepspeed to run "
+                  "it on zeroshard", file=sys.stderr)
+        return {}
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), path) if p)}
+
+
+def _deepspeed_env(args: argparse.Namespace) -> dict[str, str]:
+    """The node-level variables DeepSpeed's launcher sets besides torchrun's: LOCAL_SIZE (ranks
+    on this node), CROSS_RANK (this node) and CROSS_SIZE (nodes), where they are fixed numbers."""
+    env = {"CROSS_RANK": str(args.node_rank)}
+    if str(args.nproc_per_node).isdigit():
+        env["LOCAL_SIZE"] = str(args.nproc_per_node)
+    if str(args.nnodes).split(":")[-1] == str(args.nnodes).split(":")[0].strip():
+        env["CROSS_SIZE"] = str(args.nnodes).split(":")[0]
+    return env
+
+
+def _deepspeed_installed() -> bool:
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) or ""
+    return spec is not None and not origin.startswith(str(SHIM))
+
+
+def _bind_cores(args: argparse.Namespace) -> None:
+    """Start each worker through bind.py, which pins it to its cores and execs the real command."""
+    from torch.distributed.elastic.utils.api import macros
+    from torch.distributed.run import determine_local_world_size
+
+    if args.run_path:
+        raise UsageError("--bind_cores_to_rank cannot be combined with --run-path (the workers "
+                         "would run inside this process)")
+    try:
+        nproc = determine_local_world_size(args.nproc_per_node)
+        assignment = deepspeed_flags.core_assignment(args.bind_core_list, nproc)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    python = os.getenv("PYTHON_EXEC", sys.executable)
+    if args.no_python:
+        inner = [args.training_script]
+    else:
+        inner = [python, "-u", *(["-m"] if args.module else []), args.training_script]
+    args.training_script_args = ["-u", str(BIND), assignment, macros.local_rank, "--", *inner,
+                                 *args.training_script_args]
+    args.training_script, args.no_python, args.module = python, True, False
+
+
+def _apply_accelerate_config(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    """Ranks, nodes and rendezvous from an `accelerate config` file (command-line options win);
+    the workers' Accelerator reads the file through ZEROSHARD_ACCELERATE_CONFIG."""
+    from ..integrations.accelerate_config import ENV, read_accelerate_config
+
+    cfg = read_accelerate_config(args.config_file)
+    for notice in cfg.notices:
+        print(f"zeroshard run: {notice}", file=sys.stderr)
+    given = {a.split("=")[0] for a in argv[:argv.index(args.training_script)] if a.startswith("-")} \
+        if args.training_script in argv else set()
+
+    def unset(*flags: str) -> bool:
+        return not given & set(flags)
+
+    if cfg.num_processes and args.nproc_per_node is None:
+        if cfg.num_processes % cfg.num_machines:
+            raise ValueError(f"accelerate config {cfg.path}: num_processes {cfg.num_processes} is "
+                             f"not a multiple of num_machines {cfg.num_machines}")
+        args.nproc_per_node = str(cfg.num_processes // cfg.num_machines)
+    if cfg.num_machines > 1 and unset("--nnodes", "--num_nodes", "--num-nodes"):
+        args.nnodes = str(cfg.num_machines)
+    if unset("--node-rank", "--node_rank"):
+        args.node_rank = cfg.machine_rank
+    if cfg.rdzv_backend == "c10d" and cfg.num_machines > 1 and unset("--rdzv-backend", "--rdzv_backend"):
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = f"{cfg.main_process_ip}:{cfg.main_process_port or 29500}"
+    else:
+        if cfg.main_process_ip and unset("--master-addr", "--master_addr"):
+            args.master_addr = cfg.main_process_ip
+        if cfg.main_process_port and unset("--master-port", "--master_port"):
+            args.master_port = cfg.main_process_port
+    for key, flag in (("deepspeed_inclusion_filter", "include"),
+                      ("deepspeed_exclusion_filter", "exclude"), ("deepspeed_hostfile", "hostfile")):
+        value = cfg.deepspeed.get(key)
+        if value and not getattr(args, flag):
+            setattr(args, flag, str(value))
+    env = {ENV: cfg.path}
+    if cfg.use_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif cfg.gpu_ids and cfg.gpu_ids != "all":
+        env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids
+    return env
+
+
+def _cuda_count() -> int:
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.cuda.device_count()
-    return 2
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _default_nproc(env: dict[str, str]) -> int:
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # chosen by --include/--exclude or the accelerate config
+        return len([d for d in visible.split(",") if d]) or 2
+    return _cuda_count() or 2
 
 
 def _single_node(args: argparse.Namespace) -> bool:
@@ -167,15 +330,20 @@ def _module_origin(name: str) -> str | None:
     return spec.origin if spec is not None else None
 
 
-def declared_local_rank_flag(script: str, module: bool = False) -> str | None:
-    """The `--local_rank`/`--local-rank` spelling the script's source declares, or None."""
+def script_source(script: str, module: bool = False) -> str:
+    """The script's (or module's) source text, "" when it cannot be read."""
     path = _module_origin(script) if module else script
     if not path or not os.path.isfile(path):
-        return None
+        return ""
     try:
-        source = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        return None
+        return ""
+
+
+def declared_local_rank_flag(script: str, module: bool = False) -> str | None:
+    """The `--local_rank`/`--local-rank` spelling the script's source declares, or None."""
+    source = script_source(script, module)
     found = {m.group(2) for m in _LOCAL_RANK_DECL.finditer(source)}
     if "--local_rank" in found:
         return "--local_rank"

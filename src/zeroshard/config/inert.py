@@ -17,9 +17,8 @@ INERT_KEYS: dict[str, dict[str, str]] = {
         "checkpoint", "data_types", "dump_state", "sparse_gradients", "memory_breakdown",
         "disable_allgather", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop",
         "quantize_training", "hybrid_engine", "nebula", "compile", "weight_quantization",
-        "torch_autocast", "graph_harvesting", "timers", "tensor_parallel",
+        "graph_harvesting", "timers", "tensor_parallel",
         "seq_parallel_communication_data_type")},
-    "fp16": {"fp16_master_weights_and_grads": _NO_EFFECT},
     "bf16": {"immediate_grad_update": _NO_EFFECT},
     "optimizer": {"legacy_fusion": _NO_EFFECT},
     "zero_optimization": {k: _NO_EFFECT for k in (
@@ -64,9 +63,19 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "zero_quantized_gradients", lambda v, c: v, _NO_EFFECT),
     ("zero_optimization", "zero_hpz_partition_size", lambda v, c: v != 1, _NO_EFFECT),
     ("zero_optimization", "mics_shard_size", lambda v, c: v > 0, _NO_EFFECT),
-    ("fp16", "auto_cast", lambda v, c: v,
+    # fp16-only keys say something only when fp16 is on (DeepSpeed's examples write them anyway).
+    ("fp16", "auto_cast", lambda v, c: v and c.fp16.enabled,
      "{full} has no effect in zeroshard (the engine already casts floating inputs to the "
      "compute dtype); ignored"),
+    ("fp16", "fp16_master_weights_and_grads", lambda v, c: v and c.fp16.enabled,
+     "{full}=true has no effect in zeroshard (fp16 training keeps fp32 masters); ignored"),
+    ("torch_autocast", "lower_precision_safe_modules",
+     lambda v, c: v is not None and c.torch_autocast.enabled,
+     "{full} has no effect in zeroshard (gradients are communicated in the parameters' dtype; "
+     "the forward runs under torch.autocast as configured); ignored"),
+    ("torch_autocast", "dtype", lambda v, c: v == "float16" and c.torch_autocast.enabled,
+     "{full}=float16: the forward runs under float16 autocast without loss scaling (as DeepSpeed "
+     "with ZeRO), so small gradients can underflow; bfloat16 does not need scaling"),
     ("zero_optimization", "reduce_scatter", lambda v, c: not v,
      "{full}=false has no effect: zeroshard always reduce-scatters gradients at stages 1-2 "
      "(and all-reduces at stage 0); ignored"),

@@ -21,7 +21,8 @@ from .optimizer import optimizer_param_problems
 
 __all__ = [
     "ConfigError", "NotSupportedYetError", "ConfigWarning", "load_config", "require_supported",
-    "ZeroConfig", "FP16Config", "BF16Config", "OptimizerConfig", "SchedulerConfig",
+    "ZeroConfig", "FP16Config", "BF16Config", "TorchAutocastConfig", "OptimizerConfig",
+    "SchedulerConfig",
     "ZeroOptimizationConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "AioConfig",
 ]
 
@@ -163,11 +164,34 @@ class FP16Config(_Block):
     consecutive_hysteresis: Bool = False
     min_loss_scale: PosFloat = 1.0
     auto_cast: Bool = False
+    fp16_master_weights_and_grads: Bool = False
+    """DeepSpeed's fp16 masters; not implemented (masters stay fp32; a notice when fp16 is on)."""
 
 
 class BF16Config(_Block):
     """bf16 mixed precision (no loss scaling needed)."""
     enabled: Bool = False
+    bf16_master_weights_and_grads: Bool = False
+    """Keep each shard's master weights (and the gradients the optimizer reads) in bf16, not fp32."""
+    bf16_optimizer_states: Bool = False
+    """Keep the optimizer state (Adam's moments) in bf16 too; needs bf16_master_weights_and_grads."""
+
+    @model_validator(mode="after")
+    def _states_need_masters(self):
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError("bf16_optimizer_states=true needs bf16_master_weights_and_grads=true "
+                             "(as in DeepSpeed): set both, or drop bf16_optimizer_states")
+        return self
+
+
+class TorchAutocastConfig(_Block):
+    """torch.autocast around the engine's forward (DeepSpeed's torch_autocast block)."""
+    enabled: Bool = False
+    dtype: Annotated[str, _choice("bfloat16", "float16", aliases={
+        "torch.bfloat16": "bfloat16", "bf16": "bfloat16", "bfloat": "bfloat16",
+        "torch.float16": "float16", "fp16": "float16", "half": "float16"})] = "bfloat16"
+    lower_precision_safe_modules: Annotated[list[str], BeforeValidator(_check_names)] | None = None
+    """DeepSpeed communicates these modules' gradients in `dtype`; accepted, no effect here."""
 
 
 class OptimizerConfig(_Block):
@@ -280,6 +304,7 @@ class ZeroConfig(_Block):
     gradient_clipping: NonNegFloat = 0.0
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
@@ -297,6 +322,10 @@ class ZeroConfig(_Block):
     def _one_precision(self):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if self.bf16.enabled and self.bf16.bf16_master_weights_and_grads \
+                and self.zero_optimization.stage == 0:
+            raise ValueError("bf16.bf16_master_weights_and_grads needs ZeRO stage 1-3 (the masters "
+                             "are the optimizer's shards); set zero_optimization.stage or drop it")
         return self
 
     def to_dict(self) -> dict:
@@ -316,7 +345,8 @@ class ZeroConfig(_Block):
 
 
 _SCHEMA: dict[str, type[BaseModel]] = {
-    "": ZeroConfig, "fp16": FP16Config, "bf16": BF16Config, "optimizer": OptimizerConfig,
+    "": ZeroConfig, "fp16": FP16Config, "bf16": BF16Config, "torch_autocast": TorchAutocastConfig,
+    "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig, "zero_optimization": ZeroOptimizationConfig, "aio": AioConfig,
     "zero_optimization.offload_optimizer": OffloadOptimizerConfig,
     "zero_optimization.offload_param": OffloadParamConfig,
@@ -372,6 +402,25 @@ def _read(config: Any) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"{source} must be a JSON object (dict) of DeepSpeed keys, "
                           f"got {type(config).__name__}")
+    return _legacy_zero_switch(config)
+
+
+def _legacy_zero_switch(config: dict) -> dict:
+    """DeepSpeed's deprecated `"zero_optimization": true/false` (stage 1 / 0, with the top-level
+    `allgather_size`) as the block it stands for; a copy, with a notice."""
+    switch = config.get("zero_optimization")
+    if not isinstance(switch, bool):
+        return config
+    config = dict(config)
+    stage = 1 if switch else 0
+    block: dict[str, Any] = {"stage": stage}
+    if "allgather_size" in config:
+        size = config.pop("allgather_size")
+        if stage:
+            block["allgather_bucket_size"] = size
+    config["zero_optimization"] = block
+    _warn(f"\"zero_optimization\": {json.dumps(switch)} is DeepSpeed's deprecated form; read as "
+          f"stage {stage} (write \"zero_optimization\": {{\"stage\": {stage}}})")
     return config
 
 
@@ -554,3 +603,16 @@ def require_supported(cfg: ZeroConfig) -> None:
         raise NotSupportedYetError(
             f"not supported yet: zero_optimization.offload_optimizer.ratio={opt.ratio:g} (partial "
             "offload); zeroshard offloads the whole optimizer step. Remove ratio (or set it to 1.0)")
+    bf16 = cfg.bf16
+    if bf16.enabled and bf16.bf16_master_weights_and_grads and zero.stage > 0:
+        if not bf16.bf16_optimizer_states:
+            raise NotSupportedYetError(
+                "not supported yet: bf16.bf16_master_weights_and_grads=true with fp32 optimizer "
+                "state (bf16_optimizer_states=false); torch's optimizers keep their state in the "
+                "master's dtype. Set bf16.bf16_optimizer_states=true as well (bf16 masters and "
+                "state: 6 bytes per parameter with Adam), or drop bf16_master_weights_and_grads")
+        if opt is not None and opt.device == "nvme":
+            raise NotSupportedYetError(
+                "not supported yet: bf16.bf16_master_weights_and_grads with "
+                "zero_optimization.offload_optimizer.device='nvme' (the swap files hold fp32); "
+                "use offload_optimizer.device 'cpu' or 'none', or drop the bf16 master keys")

@@ -136,8 +136,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         use_fused = type(optimizer).__name__ in FUSED_ON_CPU and type(optimizer).__module__.startswith("torch.optim")
         for group, params in zip(groups, shards):
             group["params"] = params
+            # torch 2.13's fused CPU SGD drops the update of bf16 tensors of 16+ elements
+            # (bf16 masters): keep torch's default kernel there.
+            broken = type(optimizer).__name__ == "SGD" and \
+                any(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params)
             if use_fused and group.get("fused") is None and not group.get("foreach") \
-                    and not group.get("differentiable"):
+                    and not group.get("differentiable") and not broken:
                 group["fused"] = True
 
     def refresh_master(self, unit: Unit, param: nn.Parameter) -> None:

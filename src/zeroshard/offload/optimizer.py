@@ -3,6 +3,10 @@ or NVMe files (ZeRO-Infinity).
 
 Offload is a placement, not a layout: every unit still has one fp32 master for the slice this
 rank owns and one optimizer state tensor per kind (exp_avg, exp_avg_sq, ...) of the same length.
+`master_dtype` bf16 (DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states) keeps the
+masters, the gradients the optimizer reads and so the state (torch optimizers make it in the
+master's dtype) in bf16: 2 + 4 bytes per parameter with Adam instead of 4 + 8 (device and CPU
+placements; the NVMe swap files stay fp32).
 
 Step plan, after the policy has averaged the gradients:
   device: the master is the owned slice itself in fp32 (no copy) or an fp32 copy beside it; the
@@ -37,50 +41,59 @@ class Placement:
     """Masters and optimizer state held in memory (on the compute device or on the CPU)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], policy,
-                 compute_dtype: torch.dtype | None, where: str = "device", pin: bool = False):
+                 compute_dtype: torch.dtype | None, where: str = "device", pin: bool = False,
+                 master_dtype: torch.dtype = torch.float32):
         self.optimizer = optimizer
         self.units = units
         self.policy = policy
         self.name = where
         self.device = torch.device("cpu") if where != "device" else None
         self.pin = pin and where != "device" and torch.cuda.is_available()
+        self.master_dtype = master_dtype
         self.masters = [self._master(unit, compute_dtype) for unit in units]
         on_cuda = any(u.flat.device.type == "cuda" for u in units)
-        # Pinned fp32 landing buffers make the gradient copy to the CPU asynchronous.
-        self.grad_buffers = [torch.empty(m.numel(), pin_memory=True) for m in self.masters] \
-            if self.pin and on_cuda else None
+        # Pinned landing buffers (in the master dtype) make the gradient copy to the CPU asynchronous.
+        self.grad_buffers = [torch.empty(m.numel(), dtype=m.dtype, pin_memory=True)
+                             for m in self.masters] if self.pin and on_cuda else None
         self.threads = _offload_threads() if where != "device" and on_cuda else None
 
     def _master(self, unit: Unit, compute_dtype: torch.dtype | None) -> nn.Parameter:
         owned = self.policy.read_owned(unit).detach()
-        in_fp32 = (compute_dtype or unit.dtype) == torch.float32
+        in_fp32 = (compute_dtype or unit.dtype) == torch.float32 == self.master_dtype
         if self.device is None and in_fp32:
             return nn.Parameter(owned, requires_grad=True)  # the master *is* the owned slice
         device = self.device or owned.device
-        data = torch.empty(owned.numel(), dtype=torch.float32, device=device,
+        # A bf16 master is a copy too: the owned slice is re-allocated when the unit is cast.
+        data = torch.empty(owned.numel(), dtype=self.master_dtype, device=device,
                            pin_memory=self.pin)
         data.copy_(owned)
         return nn.Parameter(data, requires_grad=True)
 
     # -- the step ----------------------------------------------------------------------------------
     def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Attach fp32 gradients to the masters; return the local sum of their squares (float64)."""
+        """Attach gradients (in the masters' dtype) to the masters; return the local sum of their
+        squares (float64)."""
         fp32 = []
         for i, (master, grad) in enumerate(zip(self.masters, grads)):
             if self.grad_buffers is not None and grad.device.type == "cuda":
                 g = self.grad_buffers[i].copy_(grad, non_blocking=True)
-            elif grad.device == master.device and grad.dtype == torch.float32:
+            elif grad.device == master.device and grad.dtype == master.dtype:
                 g = grad
             else:
-                g = grad.to(master.device, torch.float32)
+                g = grad.to(master.device, master.dtype)
             master.grad = g
             fp32.append(g)
         if self.grad_buffers is not None:
             torch.cuda.synchronize()
         if not fp32:
             return torch.zeros(1, dtype=torch.float64)
-        # _foreach_norm reduces without materialising squared copies of the shards.
-        return torch.stack(torch._foreach_norm(fp32)).double().pow(2).sum().reshape(1)
+        # _foreach_norm reduces without materialising squared copies of the shards (bf16 master
+        # gradients accumulate in fp32, so the norm does not lose precision).
+        if self.master_dtype == torch.float32:
+            norms = torch._foreach_norm(fp32)
+        else:
+            norms = torch._foreach_norm(fp32, 2, dtype=torch.float32)
+        return torch.stack(norms).double().pow(2).sum().reshape(1)
 
     def step(self, factor: float) -> None:
         """Scale the attached gradients by `factor`, step, and write masters back to the params."""
@@ -349,14 +362,20 @@ class NvmePlacement(Placement):
         self.swap.close()
 
 
-def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int) -> Placement:
-    """The placement `offload_optimizer` asks for (`spec` None or device "none": the device)."""
+def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int,
+                   master_dtype: torch.dtype = torch.float32) -> Placement:
+    """The placement `offload_optimizer` asks for (`spec` None or device "none": the device),
+    with masters and state in `master_dtype` (fp32, or bf16 for bf16 master weights)."""
     device = spec.device if spec is not None else "none"
     if device == "nvme":
+        if master_dtype != torch.float32:
+            raise ValueError("NVMe optimizer offload keeps fp32 masters; bf16 masters need the "
+                             "device or CPU placement")
         return NvmePlacement(optimizer, units, policy, compute_dtype, spec, aio, rank)
     if device == "cpu":
-        return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory)
-    return Placement(optimizer, units, policy, compute_dtype)
+        return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory,
+                         master_dtype=master_dtype)
+    return Placement(optimizer, units, policy, compute_dtype, master_dtype=master_dtype)
 
 
 def _name(unit: Unit, kind: str) -> str:

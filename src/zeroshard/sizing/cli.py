@@ -50,7 +50,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=_positive, default=None)
     parser.add_argument("--precision", choices=list(PRECISIONS), default="mixed",
                         help="mixed/bf16/fp16: 2+2 bytes + fp32 master (K=12 with Adam); "
-                             "fp32: 4+4 bytes, the parameter is the master (K=8 with Adam)")
+                             "fp32: 4+4 bytes, the parameter is the master (K=8 with Adam); "
+                             "bf16-master: bf16 with bf16 master weights and optimizer state "
+                             "(K=6 with Adam)")
     parser.add_argument("--optimizer", choices=list(STATE_BYTES), default="adam")
     shape = parser.add_argument_group("model shape (for the modelled columns)")
     shape.add_argument("--hidden", type=_positive)

@@ -9,7 +9,9 @@ parameter and gradient and K bytes of optimizer state (fp32 master + moments) pe
     stage 3             (p + g + K) Psi / N              16 Psi / N
 Mixed precision (fp16/bf16): p = g = 2 and K = 4 (fp32 master) + the optimizer's state (8 for
 Adam). Pure fp32: p = g = 4 and K = the state alone, because the master *is* the parameter; with
-optimizer or parameter offload the two live apart, so K = 4 + state again.
+optimizer or parameter offload the two live apart, so K = 4 + state again. `bf16-master` is bf16
+with DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states: master and state in bf16,
+K = 2 + 4 = 6 with Adam (stages 1-3; the baseline DP row keeps fp32 masters, as the engine does).
 `offload_optimizer` moves the K part to CPU memory or NVMe (and at stages 2-3 the gradient
 shards to CPU memory, where the step reads them); `offload_param` (stage 3) the p part.
 These are exactly the bytes zeroshard's memory ledger counts, up to the per-unit padding.
@@ -35,7 +37,10 @@ PLACES = ("device", "cpu", "nvme")
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "adagrad": 4, "rmsprop": 4,
                "lion": 4}
 #: (parameter bytes, gradient bytes, master bytes) per precision.
-PRECISIONS = {"mixed": (2, 2, 4), "bf16": (2, 2, 4), "fp16": (2, 2, 4), "fp32": (4, 4, 0)}
+PRECISIONS = {"mixed": (2, 2, 4), "bf16": (2, 2, 4), "fp16": (2, 2, 4), "fp32": (4, 4, 0),
+              "bf16-master": (2, 2, 2)}
+#: Bytes per element of the optimizer state where it is not fp32 (STATE_BYTES counts fp32).
+STATE_WIDTH = {"bf16-master": 2}
 OFFLOADS = ("none", "cpu", "nvme")
 
 
@@ -132,7 +137,7 @@ def bytes_per_param(precision: str, optimizer: str, offloaded: bool = False) -> 
     p, g, master = PRECISIONS[precision]
     if offloaded and master == 0:
         master = 4  # the device keeps its fp32 parameters; the offloaded master is a copy
-    return p, g, master + STATE_BYTES[optimizer]
+    return p, g, master + STATE_BYTES[optimizer] * STATE_WIDTH.get(precision, 4) // 4
 
 
 def model_states(params: float, world: int, stage: int, precision: str = "mixed",
@@ -150,6 +155,8 @@ def model_states(params: float, world: int, stage: int, precision: str = "mixed"
         raise ValueError("optimizer offload needs ZeRO stage 1-3")
     if offload_param != "none" and stage != 3:
         raise ValueError("parameter offload needs ZeRO stage 3")
+    if precision == "bf16-master" and stage == 0:
+        precision = "bf16"  # bf16 masters need a sharded optimizer (stages 1-3)
     # In fp32 the master is the parameter only while both live on the device.
     p, g, k = bytes_per_param(precision, optimizer,
                               offload_optimizer != "none" or offload_param != "none")

@@ -135,6 +135,8 @@ def plan(params, gpu_mem: float, gpus: int = 1, gpus_per_node: int | None = None
                 est = estimate(params, gpus, gpus_per_node, precision, optimizer, opt, par, shape,
                                bucket)
                 row = est.row(stage, opt, par)
+                if precision == "bf16-master" and (stage == 0 or opt == "nvme"):
+                    continue  # bf16 masters: stages 1-3, on the device or in CPU memory
                 if checkpointing and "activations (AC)" not in row.buffers:
                     continue  # activations not modelled (no shape): AC changes nothing
                 verdict = _judge(row, est, checkpointing, gpu_mem, cpu_mem, nvme_free, reserve)
@@ -169,6 +171,9 @@ def _config(verdict: Verdict, est: Estimate, shape: Shape, nvme_path: str) -> di
               "zero_optimization": zero}
     if est.precision in ("bf16", "mixed"):
         config["bf16"] = {"enabled": True}
+    elif est.precision == "bf16-master":
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                          "bf16_optimizer_states": True}
     elif est.precision == "fp16":
         config["fp16"] = {"enabled": True}
     return config

@@ -1,0 +1,162 @@
+"""`import deepspeed` under `zeroshard run`: DeepSpeed's module names answered by zeroshard.
+
+`zeroshard run` puts the directory holding a two-line `deepspeed.py` (`_deepspeed_shim/`) first
+on its workers' PYTHONPATH when DeepSpeed is not installed (or with `--alias-deepspeed`), so an
+unchanged script's `import deepspeed` loads that file, which calls `install()`:
+
+* `sys.modules["deepspeed"]` becomes a module that answers with zeroshard's names
+  (`deepspeed.initialize is zeroshard.initialize`, `deepspeed.comm` is `zeroshard.comm`'s names);
+* a finder first on `sys.meta_path` answers every `deepspeed.<x>` import: DeepSpeed's paths that
+  zeroshard implements (ALIASES) by a module forwarding to the zeroshard module, so the objects
+  (and the process group behind them) are the same; any other path by a stand-in module.
+* A name zeroshard does not have, in any of these modules, is a stand-in class: importing it
+  works (DeepSpeed's CIFAR-10 example imports `deepspeed.moe.utils` at the top and uses it only
+  behind `--moe`), `isinstance` against it is False, and calling it, instantiating it or using
+  it as a base raises `UnsupportedError` naming it (`deepspeed.moe.layer.MoE is not supported by
+  zeroshard (mixture of experts) ...`).
+
+`python script.py` outside the launcher never runs this: there `import deepspeed` still needs to
+be written `import zeroshard as deepspeed`. Packages that check for DeepSpeed by its installed
+metadata (transformers, accelerate) still see that it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
+
+#: DeepSpeed module paths zeroshard implements, and the zeroshard module that answers each.
+ALIASES = {
+    "deepspeed": "zeroshard",
+    "deepspeed.accelerator": "zeroshard.accelerator",
+    "deepspeed.comm": "zeroshard.comm",
+    "deepspeed.zero": "zeroshard.zero",
+    "deepspeed.ops": "zeroshard.ops",
+    "deepspeed.ops.adam": "zeroshard.ops.adam",
+    "deepspeed.utils": "zeroshard.utils",
+    "deepspeed.utils.zero_to_fp32": "zeroshard.utils.zero_to_fp32",
+    "deepspeed.runtime.zero": "zeroshard.zero",
+    "deepspeed.runtime.zero.partition_parameters": "zeroshard.zero",
+    "deepspeed.runtime.lr_schedules": "zeroshard.schedulers",
+    "deepspeed.runtime.engine": "zeroshard.engine",
+}
+#: DeepSpeed names with another spelling here: {module: {name: (zeroshard module, attribute)}}.
+RENAMED = {
+    "deepspeed": {"DeepSpeedEngine": ("zeroshard.engine", "Engine")},
+    "deepspeed.runtime.engine": {"DeepSpeedEngine": ("zeroshard.engine", "Engine")},
+}
+#: What the most used unsupported areas are, for the error message.
+AREAS = {"moe": "mixture of experts", "pipe": "pipeline parallelism",
+         "inference": "DeepSpeed's inference engine", "init_inference": "DeepSpeed's inference engine",
+         "checkpointing": "DeepSpeed's activation checkpointing; use torch.utils.checkpoint",
+         "sequence": "sequence parallelism", "compression": "model compression",
+         "module_inject": "kernel injection", "launcher": "DeepSpeed's launcher; use zeroshard run",
+         "autotuning": "autotuning", "monitor": "monitoring backends", "profiling": "profilers"}
+
+
+class UnsupportedError(NotImplementedError):
+    """A DeepSpeed name zeroshard does not implement was used (the message names it)."""
+
+
+class _Missing(type):
+    """Metaclass of stand-ins: any attribute is a further stand-in, any use raises."""
+
+    def __call__(cls, *args, **kwargs):
+        raise UnsupportedError(_message(cls._zs_name))
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return missing(f"{cls._zs_name}.{name}")
+
+    def __instancecheck__(cls, obj) -> bool:
+        return False
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return sub is cls
+
+    def __repr__(cls) -> str:
+        return f"<{cls._zs_name}: not supported by zeroshard>"
+
+
+def missing(dotted: str) -> type:
+    """A stand-in for the DeepSpeed name `dotted`: importable, failing when used."""
+    module, _, name = dotted.rpartition(".")
+    return _Missing(name, (), {"_zs_name": dotted, "__module__": module, "__qualname__": name})
+
+
+def _message(dotted: str) -> str:
+    area = next((AREAS[p] for p in dotted.split(".")[1:] if p in AREAS), None)
+    what = f" ({area})" if area else ""
+    return (f"{dotted} is not supported by zeroshard{what}: its DeepSpeed drop-in covers ZeRO "
+            "training (deepspeed.initialize, zero, comm, accelerator, ops.adam, utils.zero_to_fp32; "
+            "see docs/migrating-from-deepspeed.md). Remove this use, or run the script under "
+            "DeepSpeed itself")
+
+
+class DeepSpeedModule(types.ModuleType):
+    """`deepspeed.<x>`: zeroshard's module's names (`target`), and stand-ins for the rest."""
+
+    def __init__(self, name: str, target: types.ModuleType | None):
+        super().__init__(name, getattr(target, "__doc__", None))
+        self.__dict__["_zs_target"] = target
+        self.__path__ = []  # a package: deepspeed.<x>.<y> imports go through the finder
+
+    def __getattr__(self, name: str):
+        full = f"{self.__name__}.{name}"
+        renamed = RENAMED.get(self.__name__, {}).get(name)
+        if renamed is not None:
+            return getattr(importlib.import_module(renamed[0]), renamed[1])
+        if full in ALIASES or any(alias.startswith(full + ".") for alias in ALIASES):
+            return importlib.import_module(full)  # e.g. deepspeed.runtime, on the way to .zero
+        target = self.__dict__["_zs_target"]
+        if target is not None and hasattr(target, name):
+            return getattr(target, name)
+        if name.startswith("_"):
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        return missing(full)
+
+    def __dir__(self):
+        target = self.__dict__["_zs_target"]
+        return sorted(set(super().__dir__()) | set(dir(target) if target is not None else ()))
+
+
+class _Loader(importlib.abc.Loader):
+    def create_module(self, spec):
+        """A DeepSpeedModule over the zeroshard module that answers `spec.name` (or none)."""
+        target = ALIASES.get(spec.name)
+        return DeepSpeedModule(spec.name, importlib.import_module(target) if target else None)
+
+    def exec_module(self, module) -> None:
+        """Nothing to run: the module answers through zeroshard's."""
+
+
+class DeepSpeedFinder(importlib.abc.MetaPathFinder):
+    """Answers every `deepspeed` and `deepspeed.<x>` import with a DeepSpeedModule."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        """A spec for DeepSpeed's names, None for anything else."""
+        if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
+            return None
+        return importlib.util.spec_from_loader(fullname, _Loader(), is_package=True)
+
+
+def install() -> types.ModuleType:
+    """Make `deepspeed` and `deepspeed.<x>` answer with zeroshard's modules (idempotent); returns
+    the `deepspeed` module."""
+    if not any(isinstance(f, DeepSpeedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, DeepSpeedFinder())
+    module = sys.modules.get("deepspeed")
+    if not isinstance(module, DeepSpeedModule):
+        spec = DeepSpeedFinder().find_spec("deepspeed")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["deepspeed"] = module
+    return module
+
+
+def installed() -> bool:
+    """Whether `deepspeed` names zeroshard in this process."""
+    return isinstance(sys.modules.get("deepspeed"), DeepSpeedModule)

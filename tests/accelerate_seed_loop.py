@@ -1,0 +1,86 @@
+"""The Accelerate loop of the seed document (shared/seeds/000_*.txt, "Hugging Face + ZeRO"),
+verbatim except for its import line, around a small causal LM whose forward returns `.loss`.
+
+tests/test_accelerate.py calls `seed_loop` inside a world of ranks with the ZeRO settings in an
+`accelerate config` YAML; run as a script (`zeroshard run --config_file acc.yaml
+tests/accelerate_seed_loop.py --out DIR`) rank 0 writes DIR/result.json with the final weights.
+"""
+
+import json
+import os
+import sys
+import types
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import lm_loss, make_model  # noqa: E402
+
+from zeroshard import Accelerator  # was: from accelerate import Accelerator
+
+BATCH, SAMPLES, LR = 2, 32, 1e-2
+
+
+def seed_loop(model, optimizer, train_loader):
+    """The seed's lines, from `accelerator = Accelerator()` to the end of the loop."""
+    # 使用Hugging Face Accelerate
+    accelerator = Accelerator()
+
+    # 自动使用ZeRO配置
+    model, optimizer, train_loader = accelerator.prepare(
+        model, optimizer, train_loader
+    )
+
+    # 训练
+    for batch in train_loader:
+        outputs = model(**batch)
+        loss = outputs.loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return accelerator, model
+
+
+class CausalLM(nn.Module):
+    """tests/models.TinyLM behind a Hugging Face style forward: model(**batch).loss."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.lm = make_model(seed)
+
+    def forward(self, input_ids, labels):
+        return types.SimpleNamespace(loss=lm_loss(self.lm(input_ids), labels))
+
+
+def samples(n: int = SAMPLES, seq: int = 6):
+    """Token rows as dicts, as a tokenized Hugging Face dataset gives them."""
+    data = torch.randint(0, 23, (n, seq + 1), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row[:-1], "labels": row[1:]} for row in data]
+
+
+def fresh(seed: int = 0):
+    """Model, optimizer (no weight decay: unused parameters get zero gradients under ZeRO, no
+    gradient in plain torch) and loader, the same on every call."""
+    model = CausalLM(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    return model, optimizer, torch.utils.data.DataLoader(samples(), batch_size=BATCH)
+
+
+def weights(accelerator, model) -> dict:
+    """The whole model's parameters on every rank (gathered at stage 3)."""
+    state = model.consolidated_state_dict(rank0_only=False)
+    return {name: tensor.float().clone() for name, tensor in state.items()}
+
+
+if __name__ == "__main__":
+    out = sys.argv[sys.argv.index("--out") + 1]
+    accelerator, model = seed_loop(*fresh())
+    final = weights(accelerator, model)
+    if accelerator.is_main_process:
+        with open(os.path.join(out, "result.json"), "w") as fh:
+            json.dump({"world": accelerator.num_processes,
+                       "stage": model.zero_optimization_stage(),
+                       "offload": model.config["zero_optimization"].get("offload_optimizer"),
+                       "weights": {k: v.tolist() for k, v in final.items()}}, fh)
+    accelerator.wait_for_everyone()

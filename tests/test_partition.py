@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeroshard.core.layout import StoragePool
+from zeroshard.core.layout import StoragePool, flatten
 from zeroshard.core.partition import build_stage3_layout, unit_modules
 from tests.models import make_model
 
@@ -53,6 +53,8 @@ def test_layout_covers_every_parameter_once_and_ties_span_units(threshold):
     names = sorted(s.name for u in layout.units for s in u.slots)
     assert names == sorted(values)  # the tied embed/head weight is laid out once
     for unit in layout.units:
+        assert unit.flat is None  # laying out allocates nothing; materialize.py fills units
+        flatten(unit)
         for slot, view in unit.views(unit.flat):
             assert torch.equal(view, values[slot.name])  # values carried into the flat buffer
         small = all(s.numel < threshold for s in unit.slots)
@@ -60,6 +62,7 @@ def test_layout_covers_every_parameter_once_and_ties_span_units(threshold):
     # The head owns no unit of its own: it needs the embedding's unit (a weight tied across units).
     embed_unit = next(u.index for u in layout.units if u.slots[0].name == "embed.weight")
     assert embed_unit in layout.needs[id(model.head)]
+    assert embed_unit in layout.borrowed[id(model.head)]  # freed after the head's backward
 
 
 def test_pool_moves_bytes_but_keeps_the_storage_that_views_hold():

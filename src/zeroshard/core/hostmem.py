@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_leaves
 from ..comm import HOST_ATTR, HostMemoryError, call_site, is_host, strict_host
 
 __all__ = ["HostMemoryError", "byte_view", "host_copy", "host_empty", "host_region", "host_zeros",
-           "is_host", "mark_cpu_as_host", "mark_host", "return_freed_memory", "strict_host",
+           "is_host", "mark_cpu_as_host", "mark_host", "on_device", "return_freed_memory",
+           "strict_host",
            "to_device", "to_host"]
 
 
@@ -79,14 +80,20 @@ def to_host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     return host_copy(tensor, dtype)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: torch.device, non_blocking: bool = True) -> torch.Tensor:
     """`tensor` on the compute device: a copy when it is in host memory (in strict mode also
-    when the device is the CPU), non-blocking from pinned memory."""
+    when the device is the CPU); non-blocking from pinned memory unless `non_blocking` is false
+    (the host memory is reused at once)."""
     if strict_host() and is_host(tensor):
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         return out.copy_(tensor)
-    non_blocking = tensor.device.type == "cpu" and tensor.is_pinned()
+    non_blocking = non_blocking and tensor.device.type == "cpu" and tensor.is_pinned()
     return tensor.to(device, non_blocking=non_blocking)
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` is in `device`'s memory (in strict mode a host tensor never is)."""
+    return tensor.device == device and not (strict_host() and is_host(tensor))
 
 
 def mark_cpu_as_host(tensor: torch.Tensor) -> torch.Tensor:

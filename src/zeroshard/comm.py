@@ -319,19 +319,19 @@ class Comm:
         if self.world_size > 1:
             dist.broadcast(tensor, src=self._ranks[src], group=self.group)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
-                   input_splits: list[int]) -> None:
-        """Send `input_splits[r]` consecutive elements of `input` to rank r; receive
-        `output_splits[q]` from rank q into `output`, in rank order. Counted as the bytes sent to
-        the other ranks."""
+    def all_to_all(self, received: torch.Tensor, send: torch.Tensor, received_splits: list[int],
+                   send_splits: list[int]) -> None:
+        """Send `send_splits[r]` consecutive elements of `send` to rank r and receive
+        `received_splits[q]` from rank q into `received`, in rank order. Counted as the bytes
+        sent to the other ranks."""
         if self.strict:
-            self._refuse_host("all_to_all", output, input)
-        sent = sum(n for r, n in enumerate(input_splits) if r != self.rank)
-        self.bytes["all_to_all"] += sent * input.element_size()
+            self._refuse_host("all_to_all", received, send)
+        sent = sum(n for r, n in enumerate(send_splits) if r != self.rank)
+        self.bytes["all_to_all"] += sent * send.element_size()
         if self.world_size == 1:
-            output.copy_(input)
+            received.copy_(send)
             return
-        dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
+        dist.all_to_all_single(received, send, received_splits, send_splits, group=self.group)
 
     def barrier(self) -> None:
         """Wait for every rank."""

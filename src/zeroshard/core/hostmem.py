@@ -64,9 +64,9 @@ def host_zeros(shape, dtype: torch.dtype = torch.float32, pin: bool = False) -> 
 
 
 def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None, pin: bool = False) -> torch.Tensor:
-    """A new host tensor holding `tensor`'s values (cast to `dtype`): always a copy of its own."""
-    out = host_empty(tensor.shape, dtype or tensor.dtype, pin)
-    return out.copy_(tensor, non_blocking=out.is_pinned() and tensor.device.type != "cpu")
+    """A new host tensor holding `tensor`'s values (cast to `dtype`): always a copy of its own,
+    complete on return (the host may read it at once)."""
+    return host_empty(tensor.shape, dtype or tensor.dtype, pin).copy_(tensor)
 
 
 def to_host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -9,7 +9,8 @@ library's host-side code, as on a GPU machine. And what it catches:
 - each bug it found stays caught: with its fix undone (patched back in a rank), the gradient-norm
   all-reduce under optimizer offload, Init's broadcast of a module built on the CPU, the
   broadcast of buffers of a model built on the CPU, stage 2's gradients landing in host memory
-  and stage 1's device gradients stepped with host masters all raise HostMemoryError;
+  and stage 1's device gradients stepped with host masters (CPU and NVMe offload) all raise
+  HostMemoryError;
 - the stage x placement x precision matrix runs under it, equals the same run without offload,
   saves and loads checkpoints, and leaves parameters reporting the compute device;
 - every torch factory call of the library names its device (host memory goes through hostmem).
@@ -188,12 +189,12 @@ def _undone(module, name, replacement, run):
         setattr(module, name, original)
 
 
-def _caught(rank, world):
+def _caught(rank, world, root):
     from zeroshard import engine as engine_module
     from zeroshard.core import init, optim, stage2
     from zeroshard.offload import optimizer as placements
 
-    cpu = {"device": "cpu"}
+    cpu, nvme = {"device": "cpu"}, {"device": "nvme", "nvme_path": root}
     return {
         "norm": _undone(optim, "to_device", lambda t, d: t,
                         lambda: _one_step(2, offload_optimizer=cpu)),
@@ -204,6 +205,9 @@ def _caught(rank, world):
                            lambda: _one_step(2, offload_optimizer=cpu)),
         "stage1": _undone(placements, "to_host", lambda t, dtype=None: t.to(dtype or t.dtype),
                           lambda: _one_step(1, offload_optimizer=cpu)),
+        "stage1-nvme": _undone(placements, "to_host",
+                               lambda t, dtype=None: t.to(dtype or t.dtype),
+                               lambda: _one_step(1, offload_optimizer=nvme)),
     }
 
 
@@ -235,7 +239,7 @@ def _all(rank, world):
     # Swap files in a directory of this rank's own; checkpoints in one all ranks share.
     ckpt = os.path.join(tempfile.gettempdir(), f"zs-strict-ckpt-{os.getppid()}")
     with tempfile.TemporaryDirectory() as tmp:
-        out = {"comm": _comm_checks(rank, world), "caught": _caught(rank, world),
+        out = {"comm": _comm_checks(rank, world), "caught": _caught(rank, world, tmp),
                "matrix": _matrix(rank, world, os.path.join(tmp, "nvme"), ckpt)}
     torch.distributed.barrier()
     if rank == 0:
@@ -263,7 +267,8 @@ def test_the_default_group_refuses_host_memory_naming_the_call_site(results, kin
 @pytest.mark.parametrize("bug,where", [
     ("norm", "all_reduce at optim.py"), ("init", "broadcast at init.py"),
     ("buffers", "broadcast at engine.py"), ("landing", "aten.add_.Tensor at stage2.py"),
-    ("stage1", "aten._fused_adamw_.default at optimizer.py")])
+    ("stage1", "aten._fused_adamw_.default at optimizer.py"),
+    ("stage1-nvme", "aten._fused_adamw_.default at optimizer.py")])
 def test_strict_mode_catches_each_bug_it_found(results, bug, where):
     for got in results:
         message = got["caught"][bug]

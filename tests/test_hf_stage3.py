@@ -135,6 +135,12 @@ def test_hf_model_matches_reference_at_stage3(results, name, threshold):
         # The repeating block class became the units (one per layer).
         layer = "transformer.h." if name == "gpt2" else "model.layers."
         assert f"{layer}0" in units and f"{layer}1" in units, units
+        if threshold == 0:
+            # Outside the blocks: a unit per module holding parameters, none for the root; the
+            # GPT-2 head is tied to wte and owns no unit.
+            outside = {"gpt2": ["transformer.wte", "transformer.wpe", "transformer.ln_f"],
+                       "llama": ["model.embed_tokens", "model.norm", "lm_head"]}[name]
+            assert [u for u in units if not u.startswith(layer)] == sorted(outside), units
 
 
 def test_init_refuses_models_that_reinitialise_after_construction(results):

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from zeroshard.core.layout import StoragePool
+import zeroshard
+
+from zeroshard.core.layout import StoragePool, flatten
 from zeroshard.core.partition import build_stage3_layout, unit_modules
 from tests.models import make_model
 
@@ -53,6 +55,8 @@ def test_layout_covers_every_parameter_once_and_ties_span_units(threshold):
     names = sorted(s.name for u in layout.units for s in u.slots)
     assert names == sorted(values)  # the tied embed/head weight is laid out once
     for unit in layout.units:
+        assert unit.flat is None  # laying out allocates nothing; materialize.py fills units
+        flatten(unit)
         for slot, view in unit.views(unit.flat):
             assert torch.equal(view, values[slot.name])  # values carried into the flat buffer
         small = all(s.numel < threshold for s in unit.slots)
@@ -60,6 +64,7 @@ def test_layout_covers_every_parameter_once_and_ties_span_units(threshold):
     # The head owns no unit of its own: it needs the embedding's unit (a weight tied across units).
     embed_unit = next(u.index for u in layout.units if u.slots[0].name == "embed.weight")
     assert embed_unit in layout.needs[id(model.head)]
+    assert embed_unit in layout.borrowed[id(model.head)]  # freed after the head's backward
 
 
 def test_pool_moves_bytes_but_keeps_the_storage_that_views_hold():
@@ -77,3 +82,47 @@ def test_pool_moves_bytes_but_keeps_the_storage_that_views_hold():
     other.untyped_storage().resize_(0)
     pool.lend(other.untyped_storage(), 64 * 4)  # the same bytes serve another unit of that size
     assert len(pool.tensors()) == 0 and other.untyped_storage().nbytes() == 256
+
+
+class MiniGPT(nn.Module):
+    """GPT-2's shape: embeddings, repeated blocks, a final norm, a head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(50, 8), nn.Embedding(16, 8)
+        self.h = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2))
+        self.ln_f = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 50, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.gates = nn.ParameterList([nn.Parameter(torch.ones(8)) for _ in range(2)])
+
+
+def _owners(layout):
+    return {u.owner: u.index for u in layout.units}
+
+
+def test_parameters_outside_blocks_form_a_unit_per_owning_module():
+    model = MiniGPT()
+    layout = build_stage3_layout(model, _all_params(model), world_size=2, bucket_numel=100,
+                                 persistence_threshold=0)
+    owners = _owners(layout)
+    # The ParameterList's parameters are used by its parent (the root): a root unit.
+    assert set(owners) == {"wte", "wpe", "h.0", "h.1", "ln_f", "<root>"}
+    assert sum(s.name == "wte.weight" for u in layout.units for s in u.slots) == 1  # tied: once
+    assert not any(s.name == "lm_head.weight" for u in layout.units for s in u.slots)
+    # Each module gathers what it holds; the head borrows the embedding's unit.
+    assert layout.needs[id(model.wte)] == [owners["wte"]] and not layout.borrowed[id(model.wte)]
+    assert layout.needs[id(model.ln_f)] == [owners["ln_f"]]
+    assert layout.needs[id(model.lm_head)] == layout.borrowed[id(model.lm_head)] == [owners["wte"]]
+    assert layout.needs[id(model)] == [owners["<root>"]]  # not the embedding, norm or head
+    assert id(model.gates) not in layout.needs
+
+
+def test_an_external_parameter_is_gathered_by_the_module_that_uses_it():
+    model = MiniGPT()
+    zeroshard.zero.register_external_parameter(model.ln_f, model.wpe.weight)
+    layout = build_stage3_layout(model, _all_params(model), world_size=2, bucket_numel=100,
+                                 persistence_threshold=0)
+    owners = _owners(layout)
+    assert layout.needs[id(model.ln_f)] == sorted([owners["ln_f"], owners["wpe"]])
+    assert layout.borrowed[id(model.ln_f)] == [owners["wpe"]]

@@ -4,7 +4,8 @@ One world per size; inside it: accumulation x clipping x optimizer x gather sche
 prefetch or reuse; prefetch: bounded prefetch and reuse), plus activation checkpointing, a module
 called twice per forward, dict inputs/outputs, param groups, frozen parameters, persistent small
 parameters, explicit unit classes (a tied weight then spans two units), a model built under
-`zeroshard.Init`, an eval forward under no_grad, and GatheredParameters / load_full_state_dict.
+`zeroshard.Init`, an eval forward under no_grad, GatheredParameters / load_full_state_dict, and
+the embedding (tied to the head) released while the blocks run, in forward and backward.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ GRID = [dict(gas=g, clip=c, opt=o, mode=m)
         for g, c, o, m in itertools.product((1, 3), (0.0, CLIP), OPTIMIZERS, MODES)]
 EXTRA = [dict(kind=k) for k in ("ckpt_reentrant", "ckpt_plain", "reuse", "dict_io", "two_groups",
                                 "frozen", "persist", "ds_defaults", "unit_classes", "init",
-                                "eval", "gathered", "prepare")]
+                                "eval", "gathered", "prepare", "root_split")]
 
 
 def _config(gas=1, clip=0.0, mode="lean", **zero):
@@ -119,6 +120,8 @@ def _run_extra_case(rank, world, kind):
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=factory(model),
                                            config=_config(mode=mode, **zero))
     names_before = [n for n, _ in model.named_parameters()]
+    if kind == "root_split":
+        hooks = _watch_embedding(engine, model, extra)
     if kind == "prepare":  # the plain PyTorch loop: loss.backward(); opt.step(); opt.zero_grad()
         engine.destroy()
         model = make_model()
@@ -138,6 +141,9 @@ def _run_extra_case(rank, world, kind):
     if kind == "gathered":
         extra.update(_gathered_checks(engine, model, rank))
         ref = None
+    if kind == "root_split":
+        for hook in hooks:
+            hook.remove()
     engine.destroy()
     return {"err": _rel_error(model, ref) if ref is not None else 0.0, **extra}
 
@@ -162,6 +168,17 @@ def _same_as_normal(partitioned, normal) -> bool:
     """Gathered values of a model built under Init equal a normal build's, bit for bit."""
     with zeroshard.GatheredParameters(list(partitioned.parameters())):
         return all(torch.equal(p, q) for p, q in zip(partitioned.parameters(), normal.parameters()))
+
+
+def _watch_embedding(engine, model, extra):
+    """Record whether the embedding's unit (tied to the head) is gathered while the blocks run,
+    in forward and in backward: never, in the lean mode (no reuse, no prefetch)."""
+    unit = next(u for u in engine.optimizer.units if u.owner == "embed")
+    forward, backward = [], []
+    extra["embed_gathered"] = (forward, backward)
+    return [model.block2.register_forward_pre_hook(lambda m, a: forward.append(unit.is_gathered)),
+            model.block1.register_full_backward_pre_hook(
+                lambda m, g: backward.append(unit.is_gathered))]
 
 
 def _eval_checks(engine, model, ref, rank, world):
@@ -253,6 +270,11 @@ def test_stage3_real_model_features(world_results, case):
             assert loss == pytest.approx(expected, rel=1e-5)
             assert gathered == pytest.approx(expected, rel=1e-5)
             assert got["eval_freed"] and got["gathered_whole"] and got["released"]
+        if case["kind"] == "root_split":
+            forward, backward = got["embed_gathered"]
+            assert len(forward) == len(backward) == STEPS
+            assert not any(forward), "the embedding stayed gathered through the blocks' forward"
+            assert not any(backward), "the tied embedding stayed gathered through the backward"
         if case["kind"] == "gathered":
             assert got["modifier_kept"] and got["unmodified_discarded"] and got["restored"]
             assert got["consolidated"], "consolidated_state_dict differs from the gathered model"

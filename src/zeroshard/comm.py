@@ -20,6 +20,13 @@ of two ranks its bytes over each host's link were within 0.3% of the model. The 
 reduce-scatter that `Comm` composes on gloo (broadcasts, pairwise exchanges) cross hosts more often
 than a ring: training there sent 1.5x the model's inter-host bytes at stages 1-2 and 1.58x at
 stage 3 (tests/test_multihost.py).
+
+Strict host mode (`ZEROSHARD_STRICT_HOST=1`, on for the whole test suite): every tensor zeroshard
+places in host memory carries a mark on its storage (`core/hostmem.py` sets it), and a `Comm` on
+the default group, which is NCCL on GPUs and takes device tensors only, refuses a marked tensor,
+naming the call site. So on a CPU-only machine, where host and device are the same memory, a host
+tensor reaching an NCCL collective is still an error. Side groups created for host traffic
+(`Comm(group, host=True)`, explicitly gloo) accept them.
 """
 
 from __future__ import annotations
@@ -37,6 +44,36 @@ import torch.distributed as dist
 # torch >= 2.13 renamed the tensor collectives; older releases only have the *_tensor names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+#: Environment switch of strict host mode ("1" on).
+STRICT_HOST_ENV = "ZEROSHARD_STRICT_HOST"
+#: Attribute set on the untyped storage of every tensor zeroshard placed in host memory.
+HOST_ATTR = "_zeroshard_host"
+
+
+class HostMemoryError(RuntimeError):
+    """Strict host mode: host memory went where only compute-device memory may go."""
+
+
+def strict_host() -> bool:
+    """Whether strict host mode is on (ZEROSHARD_STRICT_HOST=1)."""
+    return os.environ.get(STRICT_HOST_ENV, "0") == "1"
+
+
+def is_host(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s memory was placed in host memory by zeroshard (any view of it)."""
+    return bool(getattr(tensor.untyped_storage(), HOST_ATTR, False))
+
+
+def call_site(skip_files: tuple[str, ...]) -> str:
+    """`file.py:123 (function)` of the innermost frame outside `skip_files` and torch."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        name = os.path.basename(frame.filename)
+        if name not in skip_files and f"{os.sep}torch{os.sep}" not in frame.filename:
+            return f"{name}:{frame.lineno} ({frame.name})"
+    return "<unknown>"
 
 
 def _env_int(*names: str) -> int | None:
@@ -257,9 +294,11 @@ class Comm:
     counts the collective's ring-model bytes either way.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, host: bool = False):
         leave_cleanly_at_exit()  # also when the user, not zeroshard, started the process group
         self.group = group
+        #: Strict host mode and this group is not a host (gloo) side group: refuse host tensors.
+        self.strict = strict_host() and not host
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.bytes = defaultdict(int)
@@ -276,6 +315,16 @@ class Comm:
         self._tag = (self._tag + 1) % (1 << 20)
         return self._tag
 
+    def _refuse_host(self, kind: str, *tensors: torch.Tensor) -> None:
+        """Strict host mode: raise HostMemoryError if a tensor lives in host memory."""
+        if any(is_host(t) for t in tensors):
+            raise HostMemoryError(
+                f"strict host mode: {kind} at {call_site(('comm.py',))} got a tensor in host memory "
+                "(offloaded state, a CPU gradient shard, a staging buffer, or a model built on the "
+                "CPU) on the default process group, which is NCCL on GPUs and takes compute-device "
+                "tensors only. Copy it to the compute device first (core/hostmem.py to_device), or "
+                "use a gloo side group made for host traffic (Comm(group, host=True)).")
+
     def _count(self, kind: str, payload_bytes: int, factor: float) -> None:
         n = self.world_size
         moved = int(round(factor * payload_bytes * (n - 1) / n))
@@ -284,6 +333,8 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """Sum (or `op`) `tensor` in place across ranks."""
+        if self.strict:
+            self._refuse_host("all_reduce", tensor)
         self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
         if self.world_size == 1:
             return None
@@ -291,6 +342,8 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """Gather every rank's `shard` into `output` (rank order); `shard` may alias its own slot."""
+        if self.strict:
+            self._refuse_host("all_gather", output, shard)
         self._count("all_gather", output.numel() * output.element_size(), 1.0)
         if self.world_size == 1:
             if shard.data_ptr() != output.data_ptr():
@@ -311,6 +364,8 @@ class Comm:
         The rest of `full` is left unspecified. Reducing in place spares a shard-sized output
         buffer per collective in flight.
         """
+        if self.strict:
+            self._refuse_host("reduce_scatter", full)
         self._count("reduce_scatter", full.numel() * full.element_size(), 1.0)
         if self.world_size == 1:
             return None
@@ -325,9 +380,29 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int):
         """Copy `tensor` from rank `src` (of this group) to every rank."""
+        if self.strict:
+            self._refuse_host("broadcast", tensor)
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
         if self.world_size > 1:
             dist.broadcast(tensor, src=self._ranks[src], group=self.group)
+
+    def all_to_all(self, received: torch.Tensor, send: torch.Tensor, received_splits: list[int],
+                   send_splits: list[int]) -> None:
+        """Send `send_splits[r]` consecutive elements of `send` to rank r and receive
+        `received_splits[q]` from rank q into `received`, in rank order. Counted as the bytes
+        sent to the other ranks; the inter-host share is exactly what goes to other hosts."""
+        if self.strict:
+            self._refuse_host("all_to_all", received, send)
+        sent = sum(n for r, n in enumerate(send_splits) if r != self.rank)
+        self.bytes["all_to_all"] += sent * send.element_size()
+        me = self.layout.host(self._ranks[self.rank])  # point to point: the split is exact
+        crossing = sum(n for r, n in enumerate(send_splits)
+                       if self.layout.host(self._ranks[r]) != me)
+        self.inter_host_bytes["all_to_all"] += crossing * send.element_size()
+        if self.world_size == 1:
+            received.copy_(send)
+            return
+        dist.all_to_all_single(received, send, received_splits, send_splits, group=self.group)
 
     def barrier(self) -> None:
         """Wait for every rank."""
@@ -339,7 +414,8 @@ class Comm:
 
         "intra_host" + "inter_host" = "total", by the ring model of the module docstring.
         """
-        out = {k: int(self.bytes.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+        kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+        out = {k: int(self.bytes.get(k, 0)) for k in kinds}
         out.update((k, int(v)) for k, v in self.bytes.items() if k not in out)  # any other kind
         out["total"] = sum(out.values())
         inter = int(sum(self.inter_host_bytes.values()))

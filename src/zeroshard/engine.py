@@ -20,6 +20,7 @@ from torch import nn
 from .comm import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
 from .config.schema import ZeroConfig, load_config, read_raw, require_supported
+from .core.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.scaler import LossScaler
 from .core.stage3 import Stage3Options
@@ -385,12 +386,26 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
     require_supported(cfg)
     device = default_device()
     dtype = _compute_dtype(cfg)
-    model.to(device)
     torch_opt = _make_optimizer(optimizer, model_parameters, model, cfg)
     _check_owned(torch_opt, model)
+    with host_region():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            mark_cpu_as_host(tensor)  # strict mode: a model built on the CPU is in host memory
+        zopt = _make_zero_optimizer(model, torch_opt, comm, cfg, dtype, device)
+        # The units are on the device now (stage 3: one at a time, never the whole model); the
+        # rest follows: frozen parameters and buffers, in the compute dtype.
+        _move_rest(model, zopt, device, dtype)
+        _broadcast_from_rank0(model, zopt, comm)
+    scheduler = _make_scheduler(lr_scheduler, cfg, zopt)
+    engine = Engine(model, zopt, cfg, comm, scheduler, device)
+    return engine, zopt, scheduler, cfg
+
+
+def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfig, dtype,
+                         device: torch.device) -> ZeroOptimizer:
     zero = cfg.zero_optimization
     scaler = LossScaler.from_config(cfg.fp16)
-    zopt = ZeroOptimizer(model, torch_opt, comm, stage=zero.stage,
+    return ZeroOptimizer(model, torch_opt, comm, stage=zero.stage,
                          bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
                          clip_norm=cfg.gradient_clipping, scaler=scaler,
                          overlap_comm=zero.overlap_comm is not False,
@@ -405,13 +420,30 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
                          unit_classes=zero.zeroshard_unit_classes,
                          make_placement=functools.partial(
                              make_placement, zero.offload_optimizer if zero.stage > 0 else None,
-                             cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)))
-    if dtype is not None:
-        model.to(dtype)  # what the units did not cover: frozen parameters and buffers
-    _broadcast_from_rank0(model, zopt, comm)
-    scheduler = _make_scheduler(lr_scheduler, cfg, zopt)
-    engine = Engine(model, zopt, cfg, comm, scheduler, device)
-    return engine, zopt, scheduler, cfg
+                             cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
+                         device=device)
+
+
+def _move_rest(model: nn.Module, zopt: ZeroOptimizer, device: torch.device, dtype) -> None:
+    """Frozen parameters and buffers (what the units do not hold) to the compute device, floating
+    ones in the compute dtype; a tensor registered twice stays one tensor."""
+    in_units = {id(p) for unit in zopt.units for p in unit.params()}
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        out = to_device(tensor, device)
+        return out.to(dtype) if dtype is not None and out.is_floating_point() else out
+
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, placed)
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and id(param) not in in_units and id(param) not in done:
+                done[id(param)] = (param, param)
+                param.data = place(param.data)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                if id(buf) not in done:
+                    done[id(buf)] = (buf, place(buf))
+                module._buffers[name] = done[id(buf)][1]
 
 
 def _broadcast_from_rank0(model: nn.Module, zopt: ZeroOptimizer, comm: Comm) -> None:

@@ -73,7 +73,7 @@ def _read_many(reader: SafeReader, entries) -> list[torch.Tensor]:
     buffers = {}
     for _, key, shape, dtype, *_ in entries:
         buffers[key] = torch.empty(math.prod(shape) if key.startswith("model.") else shape,
-                                   dtype=dtype)
+                                   dtype=dtype, device="cpu")  # an offline tool: host memory
     with quiet_dcp():
         dcp.load(buffers, storage_reader=reader, no_dist=True)
     return [buffers[entry[1]].view(entry[2]) for entry in entries]

@@ -28,7 +28,7 @@ def tensor_nbytes(shape, dtype: torch.dtype) -> int:
     numel = 1
     for size in shape:
         numel *= int(size)
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * torch.empty((), dtype=dtype, device="cpu").element_size()
 
 
 def write_safetensors(path: str, specs: list[tuple[str, list[int], torch.dtype]],

@@ -43,6 +43,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetad
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from ..core.hostmem import host_region
 from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
                                 read_meta, seal, torch_load_verified)
 
@@ -79,9 +80,21 @@ def _fragments(unit, slot, world: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _sharded(unit, slot, world: int, rank: int, shard: torch.Tensor, device) -> ShardedTensor:
-    """The parameter `slot` as a 1-D ShardedTensor whose local piece views `shard` (fp32)."""
+def _placement(tensor: torch.Tensor) -> str:
+    """Where `tensor` really lives, as ShardedTensor placements name it: "cpu" for host memory
+    (offloaded masters and state, swap files mapped into memory), "cuda:k" on the device."""
+    if tensor.device.type == "cpu":
+        return "cpu"
+    return f"{tensor.device.type}:{tensor.device.index or 0}"
+
+
+def _sharded(unit, slot, world: int, rank: int, shard: torch.Tensor) -> ShardedTensor:
+    """The parameter `slot` as a 1-D ShardedTensor whose local piece views `shard` (fp32).
+
+    Every rank's fragment is described as placed where this rank's is: the ranks share one
+    configuration, so their masters and state live in the same kind of memory."""
     metas, local = [], []
+    device = _placement(shard)
     lo = unit.shard_bounds(rank)[0]
     for owner, start, end in _fragments(unit, slot, world):
         meta = ShardMetadata([start], [end - start], f"rank:{owner}/{device}")
@@ -164,6 +177,11 @@ def _optimizer_meta(opt) -> list[dict]:
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=None,
                     save_latest: bool = True, exclude_frozen: bool = False) -> str:
     """Write this rank's part of a checkpoint (every rank calls it); returns the tag's path."""
+    with host_region():  # strict host mode: offloaded state stays apart from device memory
+        return _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
+
+
+def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> str:
     opt, comm = engine.optimizer, engine.comm
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     try:
@@ -183,7 +201,6 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
     comm.barrier()
     state: dict[str, object] = {}
     world, rank = comm.world_size, comm.rank
-    device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
     groups = _optimizer_meta(opt)
     params = {}
     for unit in opt.units:
@@ -192,9 +209,9 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
         tensor_state = {k: _rank_shard(opt, unit, v) for k, v in unit_state.items()
                         if k in groups[unit.group_index]["tensor_keys"]}
         for slot in unit.slots:
-            state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard, device)
+            state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard)
             for key, value in tensor_state.items():
-                state[f"optim.{key}.{slot.name}"] = _sharded(unit, slot, world, rank, value, device)
+                state[f"optim.{key}.{slot.name}"] = _sharded(unit, slot, world, rank, value)
             params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
     in_units = {id(s.param) for u in opt.units for s in u.slots}
     for name, param in engine.module.named_parameters():
@@ -324,7 +341,7 @@ def _scheduler_state(scheduler):
         return _jsonable(scheduler.state_dict())
     except TypeError as err:
         warnings.warn(f"zeroshard: LR scheduler state holds a {err} and is not saved; the "
-                      "scheduler restarts from its initial state on load", stacklevel=3)
+                      "scheduler restarts from its initial state on load", stacklevel=5)
         return None
 
 
@@ -356,7 +373,7 @@ def _find_tag(load_dir: str, tag: str | None) -> str | None:
         why = "does not exist" if not os.path.isdir(load_dir) else \
             f"has no '{LATEST}' file (pass tag= to load a checkpoint without one)"
         warnings.warn(f"zeroshard: checkpoint directory {load_dir} {why}; nothing was loaded",
-                      stacklevel=4)  # the caller of engine.load_checkpoint
+                      stacklevel=5)  # the caller of engine.load_checkpoint
     return found
 
 
@@ -371,6 +388,13 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     does not exist or has no `latest` and no tag was given. Checkpoints saved without recorded
     checksums (older zeroshard) load with the size checks only.
     """
+    with host_region():  # strict host mode: offloaded state stays apart from device memory
+        return _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                     load_module_only)
+
+
+def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+          load_module_only):
     tag = _find_tag(load_dir, tag)
     if tag is None:
         return None, None
@@ -461,7 +485,6 @@ def _targets(engine, groups, with_optim: bool):
     """
     opt, comm = engine.optimizer, engine.comm
     world, rank = comm.world_size, comm.rank
-    device = engine.device.type if engine.device.type == "cpu" else f"cuda:{engine.device.index or 0}"
     state, loaded = {}, []
     for unit in opt.units:
         master, current = opt.placement.tensors(unit)  # mapped onto swap files for NVMe
@@ -476,7 +499,7 @@ def _targets(engine, groups, with_optim: bool):
         for slot in unit.slots:
             for key, target in tensors.items():
                 name = f"model.{slot.name}" if key == "model" else f"optim.{key}.{slot.name}"
-                state[name] = _sharded(unit, slot, world, rank, target, device)
+                state[name] = _sharded(unit, slot, world, rank, target)
         loaded.append((unit, tensors))
     return state, loaded
 

@@ -55,8 +55,9 @@ class OrderGuard:
         if not self.enabled:
             return
         self.count += 1
-        mine = torch.tensor([KINDS.index(kind), unit, self.count], dtype=torch.int64)
-        every = torch.empty(self.comm.world_size * 3, dtype=torch.int64)
+        # Host tensors on the gloo side group (on GPUs too: a CPU round trip, no device sync).
+        mine = torch.tensor([KINDS.index(kind), unit, self.count], dtype=torch.int64, device="cpu")
+        every = torch.empty(self.comm.world_size * 3, dtype=torch.int64, device="cpu")
         try:
             _ALL_GATHER(every, mine, group=self._group[0])
         except RuntimeError as err:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, default_device
 from .init import gather_init_units
 from .layout import INIT_ATTR, OWNER_ATTR
 
@@ -74,9 +74,16 @@ class GatheredParameters:
         if not 0 <= self.modifier_rank < world:
             raise ValueError(f"GatheredParameters: modifier_rank {self.modifier_rank} is not a rank "
                              f"of this world of {world}")
+        device = default_device()
         with torch.no_grad():
             for param in self.params if world > 1 else ():
-                _comm_of(param).broadcast(param.data, src=self.modifier_rank)
+                data = param.data
+                if data.device == device:
+                    _comm_of(param).broadcast(data, src=self.modifier_rank)
+                else:  # a parameter zeroshard does not manage, built on the CPU: NCCL needs device
+                    moved = data.to(device)
+                    _comm_of(param).broadcast(moved, src=self.modifier_rank)
+                    data.copy_(moved)
             for unit in self._init_units:
                 unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(dist.get_rank()
                                                                     if world > 1 else 0))])

@@ -3,18 +3,19 @@
 Inside `with zeroshard.Init(config=...)` (a stage-3 config) every `nn.Module` constructor is
 wrapped. A finished module stays whole until the constructor that built it starts building its
 next child or returns (parents often write to the child they just built: MultiheadAttention
-zeroes its out_proj bias); then each module's direct trainable parameters are laid end to end in
-one flat buffer, broadcast from rank 0 (so every rank starts from rank 0's values, as without
-Init), and only this rank's 1/N slice is kept. Peak memory during construction is therefore about
-two sibling modules plus Psi/N, and the values are exactly those of a normal construction under
-the same seed.
-`Module.apply` is wrapped too, so a whole-model init pass run from a constructor (Hugging Face's
-`post_init`, nanoGPT's `self.apply(_init_weights)`) works on gathered parameters; such a pass
-gathers what it walks (the whole model, once, for a pass from the root).
+zeroes its out_proj bias); then each of the module's direct trainable parameters is moved to the
+compute device (modules are built where the user's code builds them, usually the CPU, so that
+the values are exactly those of a normal construction under the same seed), broadcast from rank 0
+(every rank starts from rank 0's values, as without Init), and only this rank's 1/N slice is
+kept; the whole copy is freed and the host memory handed back. Peak memory during construction is
+therefore about two sibling modules plus Psi/N.
+`Module.apply` is wrapped too, so an init pass run from a constructor (nanoGPT's
+`self.apply(_init_weights)`) works: each call `fn(module)` sees that module's own parameters
+gathered, one module at a time (an apply function must not reach into other modules' parameters).
 
-`initialize()` later re-lays these construction-time units into stage-3 units (one module subtree
-each), gathering one construction unit at a time. Other code that writes parameters after their
-module was built, outside `Module.apply`, must do so inside
+`initialize()` later re-lays these construction-time slices into stage-3 units with one
+all-to-all per unit, never gathering them (`materialize.py`). Other code that writes parameters
+after their module was built, outside `Module.apply`, must do so inside
 `zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed.
 `load_full_state_dict` fills a partitioned model from a full state dict, unit by unit, each rank
 copying only its slices.
@@ -28,9 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm, init_distributed
+from ..comm import Comm, default_device, init_distributed
 from ..config.schema import load_config
+from .hostmem import mark_cpu_as_host, return_freed_memory, to_device
 from .layout import INIT_ATTR, OWNER_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
+
+# Host memory freed by partitioning, in bytes, after which it is handed back to the OS.
+TRIM_BYTES = 4 << 20
 
 
 def _subclasses(cls):
@@ -59,6 +64,8 @@ class Init:
         if not self.enabled:
             return self
         self.comm = Comm()
+        self.device = default_device()
+        self._freed = 0  # host bytes freed since memory was last handed back
         for cls in [nn.Module, *_subclasses(nn.Module)]:
             self._wrap(cls)
         self._had_init_subclass = "__init_subclass__" in nn.Module.__dict__
@@ -70,7 +77,6 @@ class Init:
 
         nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._original_apply = nn.Module.apply
-        self._applying = False
         init_ctx = self
 
         def apply(module, fn):
@@ -92,20 +98,15 @@ class Init:
         self._patched.clear()
 
     def _apply_gathered(self, module: nn.Module, fn):
-        """`Module.apply` inside Init: an init pass over built modules (nanoGPT's
-        `self.apply(_init_weights)`) sees whole parameters, and what it writes is kept.
-
-        The partitioned parameters under `module` are gathered for the pass (for a pass over the
-        whole model that is the whole model, once), then each rank keeps its slice again.
-        """
-        if self._applying:
-            return self._original_apply(module, fn)
-        units = gather_init_units(p for p in module.parameters() if hasattr(p, INIT_ATTR))
-        self._applying = True
+        """`Module.apply` inside Init: children first, then `fn(module)` with the module's own
+        partitioned parameters gathered (one module at a time); what it writes is kept."""
+        for child in module.children():
+            child.apply(fn)
+        own = [p for p in module.parameters(recurse=False) if hasattr(p, INIT_ATTR)]
+        units = gather_init_units(own)
         try:
-            self._original_apply(module, fn)
+            fn(module)
         finally:
-            self._applying = False
             for unit in units:
                 unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(self.comm.rank))])
                 unit.release()
@@ -122,7 +123,9 @@ class Init:
                 f"zeroshard.Init: building {type(model).__name__} wrote to {len(lost)} parameters "
                 f"after they were partitioned (e.g. {', '.join(lost[:3])}), so the written values "
                 "would be lost. Typically a whole-model init pass that does not go through "
-                "Module.apply (Hugging Face's post_init walks the model itself). Build the model "
+                "Module.apply (Hugging Face's post_init walks the model itself), or an apply "
+                "function that writes to other modules' parameters (under Init each call sees its "
+                "own module's parameters only). Build the model "
                 "without zeroshard.Init - initialize() partitions it afterwards - or wrap those "
                 "writes in zeroshard.GatheredParameters(params, modifier_rank=0).")
 
@@ -167,12 +170,16 @@ class Init:
             for sub in module.modules():
                 self._partition(sub)
         modules.clear()
+        if self._freed >= TRIM_BYTES:
+            return_freed_memory()
+            self._freed = 0
 
     def _partition(self, module: nn.Module) -> None:
         """Keep only this rank's slice of each of `module`'s own trainable parameters.
 
-        One construction unit per parameter: rank 0's values are broadcast into the parameter's
-        own storage, the slice is copied out, and the storage is dropped - no full-size copy.
+        One construction unit per parameter: the parameter is copied to the compute device (a
+        no-op when it was built there or the device is the CPU), rank 0's values are broadcast
+        into that copy, the slice is copied out, and every full-size copy is dropped.
         """
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or hasattr(param, INIT_ATTR) or param.numel() == 0:
@@ -180,14 +187,18 @@ class Init:
             numel = param.numel()
             unit = Unit(-1, -1, param.dtype, [Slot(param, name, 0, numel, param.shape)],
                         self.comm.world_size, numel=numel,
-                        padded_numel=padded_size(numel, self.comm.world_size))
+                        padded_numel=padded_size(numel, self.comm.world_size), device=self.device)
             unit.owner = type(module).__name__
-            data = param.data.reshape(-1)
+            if param.device.type == "cpu":
+                self._freed += numel * param.element_size()
+            # NCCL takes device tensors only: a module built on the CPU moves first.
+            data = to_device(mark_cpu_as_host(param.data).reshape(-1), self.device)
             self.comm.broadcast(data, src=0)
             lo, hi = unit.shard_bounds(self.comm.rank)
-            unit.shard = torch.zeros(hi - lo, dtype=param.dtype, device=param.device)
+            unit.shard = torch.zeros(hi - lo, dtype=param.dtype, device=self.device)
             kept = max(0, min(hi, numel) - lo)
             unit.shard[:kept].copy_(data[lo:lo + kept])
+            del data
             unit.release()
             setattr(param, INIT_ATTR, (unit, self.comm))
             self._versions[id(param)] = param._version

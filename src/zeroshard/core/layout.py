@@ -55,6 +55,16 @@ def set_status(unit: "Unit", status: ZeroParamStatus) -> None:
         slot.param.ds_numel = slot.numel
 
 
+def full_shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's real shape, also while it is partitioned at construction (`ds_shape`)."""
+    return param.ds_shape if hasattr(param, INIT_ATTR) else param.shape
+
+
+def full_numel(param: nn.Parameter) -> int:
+    """A parameter's real number of elements, also while it is partitioned at construction."""
+    return param.ds_numel if hasattr(param, INIT_ATTR) else param.numel()
+
+
 @dataclass
 class Slot:
     """Where one parameter lives inside its unit's flat buffer."""
@@ -84,6 +94,9 @@ class Unit:
     shard: torch.Tensor | None = None
     #: Stage 3: dotted names of the modules whose forward needs this unit gathered (for messages).
     owner: str = ""
+    #: The compute device: where the full buffer is gathered and where released parameters say
+    #: they are (the shard itself may be placed in host memory or on NVMe).
+    device: torch.device | None = None
 
     @property
     def shard_numel(self) -> int:
@@ -123,7 +136,7 @@ class Unit:
         self.dtype = dtype
         if self.shard is not None:
             self.shard = self.shard.to(dtype)
-            self.flat = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
+            self.flat = torch.empty(self.padded_numel, dtype=dtype, device=self.compute_device)
         else:
             self.flat = self.flat.to(dtype)
         for slot, view in self.views(self.flat):
@@ -132,6 +145,13 @@ class Unit:
             self.release()
 
     # -- stage 3: full buffer present only while gathered ----------------------------------------
+    @property
+    def compute_device(self) -> torch.device:
+        """Where the unit is gathered and computed with."""
+        if self.device is not None:
+            return self.device
+        return (self.flat if self.flat is not None else self.shard).device
+
     def partition(self, rank: int) -> None:
         """Keep only rank `rank`'s slice (a copy) and empty the full buffer's storage."""
         self.shard = self.flat[slice(*self.shard_bounds(rank))].clone()
@@ -145,7 +165,7 @@ class Unit:
     def allocate(self, pool: "StoragePool | None" = None) -> torch.Tensor:
         """Give the full buffer storage (contents undefined), point the parameters at it, return it."""
         if self.flat is None:  # partitioned without ever having one (zeroshard.Init)
-            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.shard.device)
+            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.compute_device)
         storage = self.flat.untyped_storage()
         if storage.nbytes() == 0:
             nbytes = self.padded_numel * self.flat.element_size()
@@ -170,7 +190,9 @@ class Unit:
                 pool.take_back(self.flat.untyped_storage())
             else:
                 self.flat.untyped_storage().resize_(0)
-        empty = torch.empty(0, dtype=self.dtype, device=self.shard.device)
+        # On the compute device, wherever the shard is placed: `next(model.parameters()).device`
+        # and Hugging Face's `model.device` must name the device the model computes on.
+        empty = torch.empty(0, dtype=self.dtype, device=self.compute_device)
         for slot in self.slots:
             slot.param.data = empty
         set_status(self, ZeroParamStatus.NOT_AVAILABLE)
@@ -220,8 +242,10 @@ def unit_numel_cap(bucket_numel: int, trainable_numel: int) -> int:
 
 
 def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int, int],
-                world_size: int, bucket_numel: int) -> list[Unit]:
-    """Pack trainable parameters into units in gradient-ready order and flatten them.
+                world_size: int, bucket_numel: int, device: torch.device | None = None,
+                materialize: bool = True) -> list[Unit]:
+    """Pack trainable parameters into units in gradient-ready order (and flatten them onto
+    `device`, the parameters' own device if None, unless `materialize` is false).
 
     `named_params` is in registration order; `group_of` maps `id(param)` to its optimizer param-group
     index (parameters absent from it are not managed). Units hold at most
@@ -229,7 +253,7 @@ def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int
     Flat buffers keep the parameters' own dtype; `Unit.cast` re-lays them for mixed precision.
     """
     ready_order = [(n, p) for n, p in reversed(named_params) if id(p) in group_of]
-    bucket_numel = unit_numel_cap(bucket_numel, sum(p.numel() for _, p in ready_order))
+    bucket_numel = unit_numel_cap(bucket_numel, sum(full_numel(p) for _, p in ready_order))
     position = {id(p): i for i, (_, p) in enumerate(ready_order)}
     open_units: dict[tuple[int, torch.dtype], list[Slot]] = {}
     open_numel: dict[tuple[int, torch.dtype], int] = {}
@@ -242,32 +266,35 @@ def build_units(named_params: list[tuple[str, nn.Parameter]], group_of: dict[int
 
     for name, param in ready_order:
         key = (group_of[id(param)], param.dtype)
-        if key in open_units and open_numel[key] + param.numel() > bucket_numel:
+        if key in open_units and open_numel[key] + full_numel(param) > bucket_numel:
             close(key)
         slots = open_units.setdefault(key, [])
         offset = open_numel.get(key, 0)
-        slots.append(Slot(param, name, offset, param.numel(), param.shape))
-        open_numel[key] = offset + param.numel()
+        slots.append(Slot(param, name, offset, full_numel(param), full_shape(param)))
+        open_numel[key] = offset + full_numel(param)
     for key in list(open_units):
         close(key)
     # A unit is ready when its last parameter's gradient arrives: order units by that moment.
     closed.sort(key=lambda item: item[0])
     units = []
     for index, (_, group, unit_dtype, slots) in enumerate(closed):
-        unit = Unit(index, group, unit_dtype, slots, world_size)
+        unit = Unit(index, group, unit_dtype, slots, world_size, device=device)
         unit.numel = sum(s.numel for s in slots)
         unit.padded_numel = padded_size(unit.numel, world_size)
-        flatten(unit)
+        if materialize:
+            flatten(unit)
         units.append(unit)
     return units
 
 
 def flatten(unit: Unit) -> None:
-    """Allocate the unit's flat buffer, copy parameters in, and make each `param.data` a view."""
-    device = unit.slots[0].param.device
+    """Allocate the unit's flat buffer on its compute device, copy the parameters in (from
+    wherever they are: host memory for a model built on the CPU), make each `param.data` a view."""
+    device = unit.device or unit.slots[0].param.device
+    unit.device = device
     flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=device)
     for slot, view in unit.views(flat):
-        view.copy_(slot.param.detach())
+        view.copy_(slot.param.detach(), non_blocking=slot.param.is_pinned())
         # Re-pointing .data frees the parameter's old storage: no full-size copy stays alive.
         slot.param.data = view
     unit.flat = flat

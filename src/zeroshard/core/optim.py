@@ -22,9 +22,11 @@ import warnings
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, default_device
+from .hostmem import host_region, to_device
 from .init import take_full
 from .layout import OWNER_ATTR, Unit, build_units
+from .materialize import materialize
 from .partition import build_stage3_layout
 from .policy import StagePolicy
 from .scaler import LossScaler
@@ -74,12 +76,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_numel: int, compute_dtype: torch.dtype | None, clip_norm: float,
                  scaler: LossScaler, overlap_comm: bool = True,
                  stage3: Stage3Options | None = None, persistence_threshold: int = 0,
-                 unit_classes: list[str] | None = None, make_placement=None):
+                 unit_classes: list[str] | None = None, make_placement=None,
+                 device: torch.device | None = None):
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         check_elementwise(optimizer)
         self.comm = comm
+        #: The compute device: units are gathered and computed with here.
+        self.device = device or default_device()
         self.clip_norm = clip_norm
         self.scaler = scaler
         self.optimizer = optimizer
@@ -91,20 +96,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
                     for p in group["params"] if p.requires_grad}
+        # Every rank starts from rank 0's weights (as DDP does), taken in full precision before
+        # masters are made and buffers cast, so unseeded initialisations cannot diverge.
         if stage == 3:
             options = stage3 or Stage3Options()
             layout = build_stage3_layout(model, group_of, comm.world_size, bucket_numel,
-                                         persistence_threshold, unit_classes)
+                                         persistence_threshold, unit_classes, self.device)
             self.units: list[Unit] = layout.units
+            # Parameters partitioned at construction that no optimizer steps are whole again.
+            take_full(p for p in model.parameters() if id(p) not in group_of)
+            # One unit at a time: this rank never holds the whole model (materialize.py).
+            materialize(self.units, layout.persistent, comm)
         else:
             take_full(model.parameters())  # built under a stage-3 Init: whole again
             # named_parameters() yields a tied weight once, under its first name.
             self.units = build_units(list(model.named_parameters()), group_of, comm.world_size,
-                                     bucket_numel)
-        # Every rank starts from rank 0's weights (as DDP does), taken in full precision before
-        # masters are made and buffers cast, so unseeded initialisations cannot diverge.
-        for unit in self.units:
-            comm.broadcast(unit.flat, src=0)
+                                     bucket_numel, self.device)
+            for unit in self.units:
+                comm.broadcast(unit.flat, src=0)
         if stage == 3:
             # Stage 3 keeps only this rank's shard of each unit from here on.
             self.policy: StagePolicy = Stage3(self.units, comm, overlap_comm, model, layout, options)
@@ -177,6 +186,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None) -> bool:
         """Average, unscale, clip and apply one optimizer step; False if fp16 overflow skipped it."""
+        with host_region():  # strict host mode: offloaded state stays apart from device memory
+            return self._step(closure)
+
+    def _step(self, closure) -> bool:
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure (LBFGS-style optimizers "
                              "need whole tensors and are not supported)")
@@ -219,8 +232,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _global_norm(self, local: torch.Tensor) -> float:
         """L2 norm of the unscaled gradient over all shards of all ranks, from this rank's sum of
-        squares (float64, shape [1])."""
+        squares (float64, shape [1]), which is in host memory under optimizer offload."""
         if self.policy.shards_optimizer:
+            local = to_device(local, self.device)  # NCCL takes device tensors only
             self.comm.all_reduce(local)
         total = local.item()
         return math.sqrt(total) / self.scaler.scale if math.isfinite(total) else math.inf

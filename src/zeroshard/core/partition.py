@@ -1,18 +1,23 @@
 """Stage-3 units: which modules are gathered together, and how their parameters are laid out.
 
-A stage-3 unit is a module subtree whose parameters are gathered just before it runs and freed
-right after. The unit modules are, by default, the instances of every module class that repeats
-in the model (a transformer's block class) and is not itself inside another repeating class;
-`zero_optimization.zeroshard_unit_classes` names them explicitly instead. Containers
-(ModuleList/ModuleDict) never count. Everything else forms the *root unit*, gathered by the
-model's own forward hooks (embeddings, final norm, a head tied to the embedding).
+A stage-3 unit is a set of parameters gathered just before the module that needs them runs and
+freed right after. The *block* modules are, by default, the instances of every module class that
+repeats in the model (a transformer's block class) and is not itself inside another repeating
+class; `zero_optimization.zeroshard_unit_classes` names them explicitly instead. Containers
+(ModuleList/ModuleDict) never count. A block's whole subtree is one unit. Parameters outside every
+block form units per module holding them directly (the embedding, the final norm, the head; the
+root model's own parameters, if any), each gathered around that module's own forward and
+backward, so a large vocabulary's embedding is not held through the whole step.
 
 Parameters smaller than `stage3_param_persistence_threshold` elements stay whole on every rank
 (*persistent*) and are bucketed and reduce-scattered as at stage 2. A parameter shared by two
-modules (tied weights) belongs to the first unit that reaches it in registration order; every
-module that uses it gathers that unit too.
+modules (tied weights: GPT-2's `lm_head` and `wte`) belongs to the unit of the first module that
+holds it in registration order, and is laid out once; every module that uses it gathers that unit
+too (it *borrows* it). A module whose forward uses another module's parameter directly (not by
+calling that module) declares it with `zeroshard.zero.register_external_parameter(module, param)`.
 
-Each (unit module, param group, dtype) gives one `Unit` of the common layout.
+Each (owning module, param group, dtype) gives one `Unit` of the common layout. Building the
+layout allocates nothing: `materialize.py` then shards the units one at a time.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .init import take_full
-from .layout import Slot, Unit, build_units, flatten, padded_size
+from .layout import Slot, Unit, build_units, full_numel, full_shape, padded_size
+
+#: Attribute on a module listing parameters of other modules its forward uses directly.
+EXTERNAL_ATTR = "_zeroshard_external_params"
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -36,10 +43,21 @@ class Stage3Layout:
     units: list[Unit]
     #: id(module) -> indices of the sharded units that module's forward needs gathered.
     needs: dict[int, list[int]] = field(default_factory=dict)
+    #: id(module) -> the part of `needs` the module does not own (a tied or external weight):
+    #: released again after the module's backward instead of waiting for their gradients.
+    borrowed: dict[int, list[int]] = field(default_factory=dict)
     #: The hooked modules, outermost (the root) first.
     modules: list[nn.Module] = field(default_factory=list)
     #: Indices of units that stay whole on every rank (small parameters).
     persistent: set[int] = field(default_factory=set)
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that `module`'s forward uses `parameter` of another module directly (stage 3
+    then gathers it around `module` too); DeepSpeed's name, a no-op below stage 3."""
+    external = module.__dict__.setdefault(EXTERNAL_ATTR, [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -80,79 +98,77 @@ def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list
 
 def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: int,
                         bucket_numel: int, persistence_threshold: int,
-                        class_names: list[str] | None = None) -> Stage3Layout:
-    """Lay out `model`'s trainable parameters as stage-3 units (full flat buffers, not yet sharded)."""
-    owners = unit_modules(model, class_names)
-    owner_of_param: dict[int, int] = {}  # id(param) -> owner position (len(owners) = root)
+                        class_names: list[str] | None = None,
+                        device: torch.device | None = None) -> Stage3Layout:
+    """Lay out `model`'s trainable parameters as stage-3 units (sizes and places only)."""
+    blocks = unit_modules(model, class_names)
+    block_prefixes = [name + "." for name, _ in blocks]
+    modules = dict(model.named_modules())
+    owner_of: dict[int, str] = {}  # id(param) -> its owning module's name ("" = the root)
+    by_owner: dict[str, list[tuple[str, nn.Parameter]]] = {}  # registration order of first param
     persistent_params: list[tuple[str, nn.Parameter]] = []
-    by_owner: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(owners) + 1)]
-    prefix_of = [name + "." for name, _ in owners]
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # a tied weight once, under its first name
         if id(param) not in group_of:
             continue
-        if param.numel() < persistence_threshold:
+        if full_numel(param) < persistence_threshold:
             persistent_params.append((name, param))
-            owner_of_param[id(param)] = -1
             continue
-        position = next((i for i, prefix in enumerate(prefix_of) if name.startswith(prefix)),
-                        len(owners))
-        owner_of_param[id(param)] = position
-        by_owner[position].append((name, param))
+        owner = next((p[:-1] for p in block_prefixes if name.startswith(p)), None)
+        if owner is None:
+            owner = name.rpartition(".")[0]
+            while owner and isinstance(modules[owner], CONTAINERS):  # a ParameterList's user
+                owner = owner.rpartition(".")[0]
+        owner_of[id(param)] = owner
+        by_owner.setdefault(owner, []).append((name, param))
 
     units: list[Unit] = []
-    unit_ids_of_owner: list[list[int]] = []
-    owner_names = [name for name, _ in owners] + [""]
-    for position, params in enumerate(by_owner):
-        take_full(p for _, p in params)  # a model built under Init: one module at a time
-        ids = []
+    units_of: dict[str, list[int]] = {}
+    for owner, params in by_owner.items():
         groups: dict[tuple[int, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
         for name, param in params:
             groups.setdefault((group_of[id(param)], param.dtype), []).append((name, param))
         for (group, dtype), members in groups.items():
-            unit = _make_unit(len(units), group, dtype, members, world_size)
-            unit.owner = owner_names[position] or "<root>"
+            unit = _make_unit(len(units), group, dtype, members, world_size, device)
+            unit.owner = owner or "<root>"
             units.append(unit)
-            ids.append(unit.index)
-        unit_ids_of_owner.append(ids)
+            units_of.setdefault(owner, []).append(unit.index)
 
     layout = Stage3Layout(units)
-    take_full(p for _, p in persistent_params)
-    for unit in build_units(persistent_params, group_of, world_size, bucket_numel):
+    for unit in build_units(persistent_params, group_of, world_size, bucket_numel, device,
+                            materialize=False):
         unit.index = len(layout.units)
         unit.owner = "<persistent>"
         layout.units.append(unit)
         layout.persistent.add(unit.index)
 
-    hooked = [("", model)] + owners
-    for name, module in hooked:
-        needed = set()
-        for param in module.parameters():  # a tied weight is listed under every module using it
-            position = owner_of_param.get(id(param))
-            if position is None or position < 0:
-                continue
-            needed.update(unit_ids_of_owner[position])
-        if module is model:
-            # The root gathers its own unit, and units whose parameters modules outside every
-            # unit module use (GPT-2's lm_head sharing the wte unit's weight).
-            needed = set(unit_ids_of_owner[-1])
-            for sub_name, sub in model.named_modules():
-                if any(sub_name == p[:-1] or sub_name.startswith(p) for p in prefix_of):
-                    continue
-                for param in sub._parameters.values():
-                    position = owner_of_param.get(id(param)) if param is not None else None
-                    if position is not None and position >= 0:
-                        needed.update(unit_ids_of_owner[position])
+    def units_for(params) -> set[int]:
+        return {i for p in params if id(p) in owner_of for i in units_of[owner_of[id(p)]]}
+
+    block_names = {name for name, _ in blocks}
+    for name, module in modules.items():
+        inside = any(name.startswith(p) for p in block_prefixes)
+        if name in block_names:
+            needed = units_for(module.parameters())
+        elif not inside and not isinstance(module, CONTAINERS):
+            # What it owns or holds itself (a tied weight); its children gather their own.
+            needed = set(units_of.get(name, ())) | \
+                units_for(p for p in module._parameters.values() if p is not None)
+        else:
+            needed = set()
+        needed |= units_for(module.__dict__.get(EXTERNAL_ATTR, []))
+        if not needed and module is not model:  # the root's pre-hook also marks each new step
+            continue
         layout.needs[id(module)] = sorted(needed)
+        layout.borrowed[id(module)] = sorted(needed - set(units_of.get(name, ())))
         layout.modules.append(module)
     return layout
 
 
-def _make_unit(index: int, group: int, dtype: torch.dtype, members, world_size: int) -> Unit:
+def _make_unit(index: int, group: int, dtype: torch.dtype, members, world_size: int,
+               device: torch.device | None) -> Unit:
     slots, offset = [], 0
     for name, param in members:
-        slots.append(Slot(param, name, offset, param.numel(), param.shape))
-        offset += param.numel()
-    unit = Unit(index, group, dtype, slots, world_size, numel=offset,
-                padded_numel=padded_size(offset, world_size))
-    flatten(unit)
-    return unit
+        slots.append(Slot(param, name, offset, full_numel(param), full_shape(param)))
+        offset += full_numel(param)
+    return Unit(index, group, dtype, slots, world_size, numel=offset,
+                padded_numel=padded_size(offset, world_size), device=device)

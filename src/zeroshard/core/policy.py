@@ -81,7 +81,7 @@ class StagePolicy:
         """Allocate gradient storage and register hooks."""
         self.flat_grads = []
         for unit in self.units:
-            flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.flat.device)
+            flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.compute_device)
             for slot, view in unit.views(flat):
                 # autograd accumulates in place into an existing .grad, so this is zero-copy.
                 slot.param.grad = view

@@ -31,6 +31,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
+from .hostmem import host_region, host_zeros, to_host
 from .layout import Unit
 from .policy import MAX_IN_FLIGHT, StagePolicy
 
@@ -67,9 +68,8 @@ class Stage2(StagePolicy):
         """A zeroed gradient shard: on the device, or in (pinned on CUDA) CPU memory when the
         optimizer is offloaded, so the step finds its gradients where it runs."""
         if self.grad_place == "device":
-            return torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.flat.device)
-        pin = unit.flat.device.type == "cuda"
-        return torch.zeros(unit.shard_numel, dtype=unit.dtype, pin_memory=pin)
+            return torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.compute_device)
+        return host_zeros(unit.shard_numel, unit.dtype, pin=unit.compute_device.type == "cuda")
 
     # -- backward ------------------------------------------------------------------------------
     def _hook_outputs(self, _module, _inputs, output) -> None:
@@ -110,11 +110,12 @@ class Stage2(StagePolicy):
             if self._pooled(unit):
                 free = self.pool.get(unit.dtype)
                 block = free.pop() if free else torch.empty(
-                    self.block_numel[unit.dtype], dtype=unit.dtype, device=unit.flat.device)
+                    self.block_numel[unit.dtype], dtype=unit.dtype, device=unit.compute_device)
                 self.block_of[unit.index] = block
                 buffer = block[:unit.padded_numel]
             else:
-                buffer = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.flat.device)
+                buffer = torch.empty(unit.padded_numel, dtype=unit.dtype,
+                                     device=unit.compute_device)
             self.buffers[unit.index] = buffer
             self.filled[unit.index] = [False] * len(unit.slots)
         return buffer
@@ -162,9 +163,11 @@ class Stage2(StagePolicy):
             handle.wait()
         reduced = unit.shard_view(buffer, self.comm.rank)
         shard = self.grad_shards[unit.index]
-        if reduced.device != shard.device:  # optimizer offload: to the CPU as each unit lands
-            reduced = reduced.to(shard.device)
-        shard.add_(reduced, alpha=1.0 / self.comm.world_size)
+        if self.grad_place == "device":
+            shard.add_(reduced, alpha=1.0 / self.comm.world_size)
+        else:
+            with host_region():  # optimizer offload: to host memory as each unit lands
+                shard.add_(to_host(reduced), alpha=1.0 / self.comm.world_size)
         self._recycle(unit)
 
     def _end_of_backward(self) -> None:

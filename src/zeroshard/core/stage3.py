@@ -10,12 +10,14 @@ Communication plan, per micro-step (before each collective the ranks compare wha
 to do, `desync.py`):
   1. forward: a unit module's pre-hook all-gathers the units it needs (`unshard`) and prefetches
      the next ones in the recorded order (`schedule.py`); its post-hook frees them (`reshard`)
-     unless they are needed again soon (`stage3_max_reuse_distance`). The root unit (parameters
-     outside the unit modules) is gathered by the model's own pre-hook for the whole forward.
-     Ring cost: Psi x (N-1)/N elements per rank.
+     unless they are needed again soon (`stage3_max_reuse_distance`). Parameters outside the
+     blocks are gathered the same way around the forward of the module holding them (embedding,
+     final norm, head); only the root model's own parameters stay gathered for the whole forward.
+     Ring cost: Psi x (N-1)/N elements per rank (a tied weight once per module using it).
   2. backward: a hook on each unit module's outputs gathers its units again just before autograd
-     reaches the module (and prefetches in the recorded backward order). Ring cost: at most
-     Psi x (N-1)/N (less what reuse kept gathered, typically the last block and the root).
+     reaches the module (and prefetches in the recorded backward order); a unit a module only
+     borrows (a tied weight) is freed again once that module's backward reaches its inputs. Ring
+     cost: at most Psi x (N-1)/N (less what reuse kept gathered, typically the last block).
   3. as each unit's gradients complete (post-accumulate-grad hooks), its gradient buffer is
      reduce-scattered in place, this rank's slice is added (divided by N) into its persistent
      gradient shard, and the unit is freed. Ring cost: Psi x (N-1)/N. End of backward: units
@@ -73,11 +75,10 @@ class Stage3(Stage2):
         self.by_index = {u.index: u for u in units}
         self.sharded = {u.index for u in units if u.index not in layout.persistent}
         # On CPU, freed 28 MB buffers stay in glibc's heap; CUDA's caching allocator reuses them.
-        on_cpu = all(u.flat.device.type == "cpu" for u in units)
+        on_cpu = all(u.compute_device.type == "cpu" for u in units)
         self.gathered_pool = StoragePool() if on_cpu and \
             hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
-        for index in sorted(self.sharded):
-            self.by_index[index].partition(comm.rank)
+        # The sharded units arrive partitioned (materialize.py): only this rank's shards exist.
         self.schedule = Schedule({u.index: u.padded_numel for u in units},
                                  self.options.max_reuse_distance)
         self.guard = OrderGuard(comm, self.options.desync_timeout,
@@ -203,13 +204,15 @@ class Stage3(Stage2):
             ShardStore(sharded)
         for module in self.layout.modules:
             needs = self.layout.needs[id(module)]
+            borrowed = self.layout.borrowed.get(id(module), [])
             is_root = module is self.module
             if not needs and not is_root:  # the root's pre-hook also marks each new step
                 continue
             self.hooks.append(module.register_forward_pre_hook(
                 lambda mod, args, n=needs, r=is_root: self._pre_forward(n, r)))
             self.hooks.append(module.register_forward_hook(
-                lambda mod, args, out, n=needs: self._post_forward(n, out)))
+                lambda mod, args, kwargs, out, n=needs, b=borrowed:
+                self._post_forward(n, out, b, (args, kwargs)), with_kwargs=True))
 
     def _pre_forward(self, needs: list[int], is_root: bool) -> None:
         in_backward = _in_backward()
@@ -224,7 +227,7 @@ class Stage3(Stage2):
         if not in_backward:
             self._prefetch()
 
-    def _post_forward(self, needs: list[int], output) -> None:
+    def _post_forward(self, needs: list[int], output, borrowed: list[int], inputs) -> None:
         for index in needs:
             self.active[index] = max(0, self.active.get(index, 0) - 1)
         if _in_backward():
@@ -235,6 +238,14 @@ class Stage3(Stage2):
         fired = [False]  # one regather per forward call, whichever output's gradient comes first
         for leaf in grad_outputs:
             leaf.register_hook(lambda grad, n=needs, f=fired: self._pre_backward(n, f))
+        if borrowed and wants_backward:
+            # A borrowed unit (a tied weight: the head using the embedding's) gets its gradient
+            # only when its owner's backward is done too; free it once this module's backward
+            # has reached the inputs instead of holding it through the whole backward.
+            done = [False]
+            for leaf in tree_leaves(inputs):
+                if torch.is_tensor(leaf) and leaf.requires_grad:
+                    leaf.register_hook(lambda grad, b=borrowed, d=done: self._post_backward(b, d))
         for index in needs:
             if self.active.get(index):
                 continue  # an enclosing module (e.g. one sharing a tied weight) still runs
@@ -252,6 +263,19 @@ class Stage3(Stage2):
         self.schedule.demand(needs)
         self.unshard(needs)
         self._prefetch()
+
+    def _post_backward(self, borrowed: list[int], done: list[bool]) -> None:
+        """A module's backward reached its inputs: free the units it only borrowed (their
+        gradients are accumulated later, after their owner's pre-backward gathers them again)
+        unless they are needed again soon."""
+        if done[0]:
+            return
+        done[0] = True
+        for index in borrowed:
+            if self.schedule.reuse_soon(index) and \
+                    self.live_numel <= self.options.max_live_parameters:
+                continue
+            self.reshard(index)
 
     def _ready(self, unit: Unit) -> None:
         """Reduce-scatter a unit as soon as all its gradients are in, then free it."""

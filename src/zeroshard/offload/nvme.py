@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..core.hostmem import byte_view
+from ..core.hostmem import byte_view, mark_host
 
 #: Alignment of buffers, offsets and lengths for O_DIRECT (the largest common logical block).
 BLOCK = 4096
@@ -48,8 +48,8 @@ def round_up(nbytes: int) -> int:
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of round_up(nbytes) bytes starting on a BLOCK boundary."""
     size = round_up(nbytes)
-    raw = torch.empty(size + BLOCK, dtype=torch.uint8,
-                      pin_memory=pin and torch.cuda.is_available())
+    raw = mark_host(torch.empty(size + BLOCK, dtype=torch.uint8, device="cpu",
+                                pin_memory=pin and torch.cuda.is_available()))
     start = (-raw.data_ptr()) % BLOCK
     return raw[start:start + size]
 
@@ -180,7 +180,7 @@ class SwapDir:
     def mapped(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The first `numel` elements of swap file `name` as a tensor mapped onto the file (writes
         reach the file; used for checkpoints, where the whole shard must be visible at once)."""
-        return torch.from_file(self.path(name), shared=True, size=numel, dtype=dtype)
+        return mark_host(torch.from_file(self.path(name), shared=True, size=numel, dtype=dtype))
 
     def sync(self) -> None:
         """Flush all swap files (after writes through `mapped` views)."""

@@ -31,6 +31,7 @@ import os
 import torch
 from torch import nn
 
+from ..core.hostmem import host_copy, host_empty, host_zeros, on_device, to_host
 from ..core.layout import ALIGN, Unit
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
 
@@ -51,21 +52,23 @@ class Placement:
         self.pin = pin and where != "device" and torch.cuda.is_available()
         self.master_dtype = master_dtype
         self.masters = [self._master(unit, compute_dtype) for unit in units]
-        on_cuda = any(u.flat.device.type == "cuda" for u in units)
+        on_cuda = any(u.compute_device.type == "cuda" for u in units)
         # Pinned landing buffers (in the master dtype) make the gradient copy to the CPU asynchronous.
-        self.grad_buffers = [torch.empty(m.numel(), dtype=m.dtype, pin_memory=True)
-                             for m in self.masters] if self.pin and on_cuda else None
+        self.grad_buffers = [host_empty(m.numel(), m.dtype, pin=True) for m in self.masters] \
+            if self.pin and on_cuda else None
         self.threads = _offload_threads() if where != "device" and on_cuda else None
 
     def _master(self, unit: Unit, compute_dtype: torch.dtype | None) -> nn.Parameter:
         owned = self.policy.read_owned(unit).detach()
         in_fp32 = (compute_dtype or unit.dtype) == torch.float32 == self.master_dtype
-        if self.device is None and in_fp32:
+        if self.device is not None:  # offloaded: in host memory
+            return nn.Parameter(host_copy(owned, self.master_dtype, self.pin), requires_grad=True)
+        if in_fp32 and on_device(owned, unit.compute_device):
             return nn.Parameter(owned, requires_grad=True)  # the master *is* the owned slice
-        device = self.device or owned.device
-        # A bf16 master is a copy too: the owned slice is re-allocated when the unit is cast.
-        data = torch.empty(owned.numel(), dtype=self.master_dtype, device=device,
-                           pin_memory=self.pin)
+        # On the device, where the gradients are, also when the parameter shard itself is in
+        # host memory (offload_param without offload_optimizer). A bf16 master is a copy too: the
+        # owned slice is re-allocated when the unit is cast.
+        data = torch.empty(owned.numel(), dtype=self.master_dtype, device=unit.compute_device)
         data.copy_(owned)
         return nn.Parameter(data, requires_grad=True)
 
@@ -77,8 +80,8 @@ class Placement:
         for i, (master, grad) in enumerate(zip(self.masters, grads)):
             if self.grad_buffers is not None and grad.device.type == "cuda":
                 g = self.grad_buffers[i].copy_(grad, non_blocking=True)
-            elif grad.device == master.device and grad.dtype == master.dtype:
-                g = grad
+            elif self.device is not None:
+                g = to_host(grad, master.dtype)  # stage 1: from the device's gradient buffers
             else:
                 g = grad.to(master.device, master.dtype)
             master.grad = g
@@ -86,7 +89,7 @@ class Placement:
         if self.grad_buffers is not None:
             torch.cuda.synchronize()
         if not fp32:
-            return torch.zeros(1, dtype=torch.float64)
+            return host_zeros(1, torch.float64)
         # _foreach_norm reduces without materialising squared copies of the shards (bf16 master
         # gradients accumulate in fp32, so the norm does not lose precision).
         if self.master_dtype == torch.float32:
@@ -123,9 +126,12 @@ class Placement:
         if values.data_ptr() != master.data_ptr():
             master.data.copy_(values)
         if state:
-            self.optimizer.state[master] = {
-                k: v.to(master.device) if torch.is_tensor(v) and v.dim() else v
-                for k, v in state.items()}
+            self.optimizer.state[master] = {k: self._placed(v) if torch.is_tensor(v) and v.dim()
+                                            else v for k, v in state.items()}
+
+    def _placed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` where this placement keeps state: host memory, or the compute device."""
+        return to_host(tensor) if self.device is not None else tensor.to(self.masters[0].device)
 
     def update_master(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         """Overwrite elements `[lo, hi)` of the unit's master."""
@@ -164,7 +170,9 @@ class NvmePlacement(Placement):
         self.policy = policy
         self.name = "nvme"
         self.device = torch.device("cpu")
-        self.on_cuda = any(u.flat.device.type == "cuda" for u in units)
+        self.on_cuda = any(u.compute_device.type == "cuda" for u in units)
+        #: Where the gradient norm is formed when there is no gradient at all.
+        self.compute_device = units[0].compute_device if units else self.device
         self.threads = _offload_threads() if self.on_cuda else None
         self.grad_buffers = None
         self.grads = None
@@ -182,7 +190,7 @@ class NvmePlacement(Placement):
                                max(spec.buffer_count, per_unit * sets), pin=spec.pin_memory)
         self.io = AsyncIO(threads=max(aio.thread_count, aio.intra_op_parallelism) * aio.queue_depth,
                           block_size=aio.block_size)
-        self.placeholder = torch.empty(0)
+        self.placeholder = host_empty(0)
         self.masters = []
         for unit in units:
             for kind in ["master"] + self.kinds[unit.group_index]:
@@ -195,13 +203,13 @@ class NvmePlacement(Placement):
             self.masters.append(nn.Parameter(self.placeholder, requires_grad=True))
 
     def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Sum of squares of the gradients, one unit at a time (no fp32 copy of all of them)."""
+        """Sum of squares of the gradients, one unit at a time (no fp32 copy of all of them),
+        formed where they are: on the device at stage 1, in host memory at stages 2-3."""
         self.grads = grads
-        total = torch.zeros(1, dtype=torch.float64)
-        for grad in grads:
-            if grad.numel():
-                total += torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
-        return total
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g.numel()]
+        if not norms:
+            return torch.zeros(1, dtype=torch.float64, device=self.compute_device)
+        return torch.stack(norms).double().pow(2).sum().reshape(1)
 
     def step(self, factor: float) -> None:
         """Read, step and write back one unit at a time, overlapping I/O with the step."""
@@ -246,10 +254,10 @@ class NvmePlacement(Placement):
         for kind in self.present[unit.index]:
             state[kind] = buffers[kind].view(torch.float32)[:n]
         grad = self.grads[unit.index]
-        master.grad = grad.to(torch.float32, copy=True) if grad.dtype != torch.float32 or \
-            factor != 1.0 else grad
+        fp32 = to_host(grad, torch.float32)  # stage 1: the gradient is still on the device
         if factor != 1.0:
-            master.grad.mul_(factor)
+            fp32 = (host_copy(fp32) if fp32 is grad else fp32).mul_(factor)
+        master.grad = fp32
         group = self.optimizer.param_groups[unit.group_index]
         saved = self.optimizer.param_groups
         self.optimizer.param_groups = [dict(group, params=[master])]
@@ -396,8 +404,8 @@ def _wait_all(requests) -> None:
 def _state_kinds(optimizer: torch.optim.Optimizer, group_index: int) -> list[str]:
     """Names of the shard-sized state tensors `optimizer` keeps for a parameter of this group,
     found by stepping a 16-element probe parameter once with a zero gradient."""
-    probe = nn.Parameter(torch.zeros(ALIGN))
-    probe.grad = torch.zeros_like(probe)
+    probe = nn.Parameter(host_zeros(ALIGN))
+    probe.grad = host_zeros(ALIGN)
     saved = optimizer.param_groups
     optimizer.param_groups = [dict(saved[group_index], params=[probe])]
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.hostmem import host_copy, host_empty, to_device
 from ..core.layout import Unit
 from ..core.shard_store import ShardStore
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, aligned_buffer, round_up
@@ -30,18 +31,15 @@ class CpuShardStore(ShardStore):
     def __init__(self, units: list[Unit], pin: bool):
         super().__init__(units)
         self.staged: dict[int, torch.Tensor] = {}
-        pin = pin and torch.cuda.is_available()
         for unit in units:
             # Always a new tensor, also when the device is the CPU: an fp32 master taken from the
             # shard stays a copy of its own, as it must be on a GPU machine.
-            host = torch.empty(unit.shard.numel(), dtype=unit.shard.dtype, pin_memory=pin)
-            unit.shard = host.copy_(unit.shard)
+            unit.shard = host_copy(unit.shard, pin=pin)
 
     def source(self, unit: Unit) -> torch.Tensor:
-        """The shard copied to the unit's device (the shard itself when that is the CPU)."""
-        if unit.flat.device.type == "cpu":
-            return unit.shard
-        staged = unit.shard.to(unit.flat.device, non_blocking=unit.shard.is_pinned())
+        """The shard copied to the unit's device (outside strict mode the shard itself when
+        that is the CPU); kept until `done(unit)`."""
+        staged = to_device(unit.shard, unit.compute_device)
         self.staged[unit.index] = staged
         return staged
 
@@ -73,7 +71,7 @@ class NvmeShardStore(ShardStore):
             _typed(buffer, unit).copy_(unit.shard)
             self.io.write(self.swap, self._file(unit), buffer).wait()
             self.pool.give(buffer)
-            unit.shard = torch.empty(0, dtype=unit.shard.dtype, device=unit.flat.device)  # on disk now
+            unit.shard = host_empty(0, unit.shard.dtype)  # on disk now
 
     @staticmethod
     def _file(unit: Unit) -> str:
@@ -127,11 +125,8 @@ class NvmeShardStore(ShardStore):
                             "all-gather); no parameter or optimizer state was changed: retry, or "
                             "load the last checkpoint") from err
         self.held[unit.index] = (buffer, pooled)
-        shard = _typed(buffer, unit)
-        if unit.flat.device.type != "cpu":
-            # Synchronous: the staging buffer is reused as soon as the gather is done.
-            shard = shard.to(unit.flat.device)
-        return shard
+        # Synchronous: the staging buffer is reused as soon as the gather is done.
+        return to_device(_typed(buffer, unit), unit.compute_device, non_blocking=False)
 
     def done(self, unit: Unit) -> None:
         """Give the staging buffer back."""
@@ -145,7 +140,7 @@ class NvmeShardStore(ShardStore):
         request, _ = self._start_read(unit, buffer)
         try:
             request.wait()
-            return _typed(buffer, unit).clone()
+            return host_copy(_typed(buffer, unit))
         finally:
             if pooled:
                 self.pool.give(buffer)

@@ -7,6 +7,7 @@ leaves the stage-3 path altogether (rank 0 times out after `zeroshard_desync_tim
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -91,7 +92,8 @@ def test_every_rank_names_both_ranks_and_what_they_did(results, kind):
         assert got[kind]["seconds"] < TIMEOUT  # detected by comparison, not by waiting
     if kind == "skip_block":
         # With prefetch both ranks gather block2; the paths part at its reduce-scatter.
-        assert "of unit 1 (block2" in results[0][0][kind]["error"]
+        # (The unit's number depends on how the parameters outside the blocks are split.)
+        assert re.search(r"reduce-scatter of unit \d+ \(block2", results[0][0][kind]["error"])
     else:
         assert "optimizer step" in results[0][0][kind]["error"]
 

@@ -4,6 +4,8 @@ picks the cheapest configuration that fits."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard.cli import main as cli_main
 from zeroshard.estimate import GB, Shape, estimate, model_states
 from zeroshard.sizing.plan import plan
 from tests.harness import run_world
@@ -185,8 +188,11 @@ def test_plan_config_loads_and_cli_writes_it(tmp_path):
 # -- CLI -----------------------------------------------------------------------------------------
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "zeroshard.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    """`zeroshard ARGS` run in this process (the console script itself: _console_script)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main([*args])
+    return subprocess.CompletedProcess(["zeroshard", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_cli_estimate_prints_the_paper_row():
@@ -222,8 +228,9 @@ def test_cli_estimate_imports_a_model_module_from_the_current_directory(tmp_path
     assert json.loads(res.stdout)["params"] == 10 * 3 + 3
 
 
-def test_plan_without_out_says_where_it_wrote(tmp_path):
-    res = _console_script("plan", "--params", "1B", "--gpus", "8", "--gpu-mem", "80GB", cwd=tmp_path)
+def test_plan_without_out_says_where_it_wrote(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = _cli("plan", "--params", "1B", "--gpus", "8", "--gpu-mem", "80GB")
     assert res.returncode == 0, res.stderr
     written = tmp_path / "ds_config.plan.json"
     assert written.is_file()

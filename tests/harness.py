@@ -26,7 +26,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+# Ranks are forked from a server process that has imported torch and zeroshard once, instead of
+# each importing them anew (seconds of CPU per rank on 2 cores). Each rank still starts from a
+# fresh process image of that server, and gets the parent's environment as spawn would give it.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.multiprocessing",
+                                 "zeroshard", "zeroshard.engine", "tests.harness", "tests.models"])
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), ZEROSHARD_QUIET="1")
     torch.set_num_threads(1)
@@ -53,8 +63,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
 def run_world(world_size: int, fn, *args, timeout: float = 600) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args,
+                                               dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method="forkserver")
         try:
             _join(ctx, timeout)
             crash = None

@@ -16,7 +16,8 @@ gathered, one module at a time (an apply function must not reach into other modu
 `initialize()` later re-lays these construction-time slices into stage-3 units with one
 all-to-all per unit, never gathering them (`materialize.py`). Other code that writes parameters
 after their module was built, outside `Module.apply`, must do so inside
-`zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed.
+`zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed. A Hugging Face
+model's own init walk (`post_init`) is run the same way, on gathered parameters (`init_hf.py`).
 `load_full_state_dict` fills a partitioned model from a full state dict, unit by unit, each rank
 copying only its slices.
 """
@@ -32,6 +33,7 @@ from torch import nn
 from ..comm import Comm, default_device, init_distributed
 from ..config.schema import load_config
 from .hostmem import mark_cpu_as_host, return_freed_memory, to_device
+from .init_hf import patch_initialize_weights
 from .layout import INIT_ATTR, OWNER_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
 
 # Host memory freed by partitioning, in bytes, after which it is handed back to the OS.
@@ -83,11 +85,14 @@ class Init:
             return init_ctx._apply_gathered(module, fn)
 
         nn.Module.apply = apply
+        # Hugging Face models initialize through their own walk, not Module.apply (init_hf.py).
+        self._undo_hf = patch_initialize_weights(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
+        self._undo_hf()
         nn.Module.apply = self._original_apply
         if self._had_init_subclass:
             nn.Module.__init_subclass__ = self._original_init_subclass
@@ -123,7 +128,7 @@ class Init:
                 f"zeroshard.Init: building {type(model).__name__} wrote to {len(lost)} parameters "
                 f"after they were partitioned (e.g. {', '.join(lost[:3])}), so the written values "
                 "would be lost. Typically a whole-model init pass that does not go through "
-                "Module.apply (Hugging Face's post_init walks the model itself), or an apply "
+                "Module.apply (Hugging Face's post_init is handled), or an apply "
                 "function that writes to other modules' parameters (under Init each call sees its "
                 "own module's parameters only). Build the model "
                 "without zeroshard.Init - initialize() partitions it afterwards - or wrap those "

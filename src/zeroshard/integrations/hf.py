@@ -293,3 +293,6 @@ def _mean_over_ranks(value: torch.Tensor, device) -> float:
         dist.all_reduce(value)
         return value.item() / dist.get_world_size()
     return value.item()
+
+
+from .hf_load import from_config, from_pretrained  # noqa: E402,F401 - the stage-3 loading path

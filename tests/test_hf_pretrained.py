@@ -20,10 +20,11 @@ transformers = pytest.importorskip("transformers")
 from zeroshard.checkpoint.safetensors_file import write_safetensors  # noqa: E402
 from zeroshard.checkpoint import safetensors_read  # noqa: E402
 from zeroshard.core.gathered import full_state_dict  # noqa: E402
-from zeroshard.core.layout import padded_size  # noqa: E402
+from zeroshard.core.layout import INIT_ATTR, full_numel, padded_size  # noqa: E402
 from zeroshard.integrations import hf  # noqa: E402
 
 VOCAB = 64
+DEEP_LAYERS, DEEP_WIDTH = 16, 384
 STAGE3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
 
 
@@ -182,8 +183,122 @@ def _consolidated_case(rank, world, root):
     return _same_state(live, full_state_dict(back, rank0_only=False))
 
 
+def _rss() -> tuple[int, int]:
+    """(current RSS, peak RSS since the last reset) in bytes, from /proc/self/status."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+
+
+def _memory_case(path, warm_up):
+    """Peak RSS rise while loading a 16-block GPT-2 (113 MB), and the model's bytes."""
+    hf.from_pretrained(warm_up, config=STAGE3)  # transformers' GPT-2 code imported beforehand
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset VmHWM to the current RSS
+    before, _ = _rss()
+    model = hf.from_pretrained(path, config=STAGE3)
+    rise = _rss()[1] - before
+    return rise, sum(full_numel(p) for p in model.parameters()) * 4
+
+
+def _resize_case(name):
+    """resize_token_embeddings on a partitioned model: bitwise the normal resize (same seed)."""
+    torch.manual_seed(0)
+    normal = BUILDERS[name]()
+    torch.manual_seed(1)
+    normal.resize_token_embeddings(VOCAB + 16)
+    torch.manual_seed(0)
+    with zeroshard.Init(config=STAGE3):
+        built = BUILDERS[name]()
+    torch.manual_seed(1)
+    built.resize_token_embeddings(VOCAB + 16)
+    tied = built.lm_head.weight is built.get_input_embeddings().weight
+    return _same_state(normal.state_dict(), full_state_dict(built, rank0_only=False)), tied, \
+        built.config.vocab_size
+
+
+def _allgather_bytes(engine) -> int:
+    return engine.comm_report().get("all_gather", 0)
+
+
+def _no_optimizer_case(path):
+    """An engine without an optimizer: inference and generate as the reference, nothing kept for
+    training, backward/step refused; generate gathers the model once (or per step when
+    stage3_max_live_parameters is below the model)."""
+    ref = transformers.GPT2LMHeadModel.from_pretrained(path)
+    prompt = torch.tensor([[3, 9, 27, 1, 40]])
+    expected = ref.generate(prompt, max_new_tokens=8, do_sample=False)
+    out = {}
+    for budget in (10**9, 1000):
+        # No reuse distance: without the pinning of generate, every decode step gathers.
+        config = dict(STAGE3, zero_optimization={
+            "stage": 3, "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": budget})
+        model = hf.from_pretrained(path, config=config)
+        engine, optimizer, _, _ = zeroshard.initialize(model=model, config=config)
+        report = engine.memory_report()
+        with torch.no_grad():
+            logits = engine(input_ids=prompt).logits
+        before = _allgather_bytes(engine)
+        generated = engine.generate(prompt, max_new_tokens=8, do_sample=False)
+        moved = _allgather_bytes(engine) - before
+        loss = engine(input_ids=prompt, labels=prompt).loss
+        out[budget] = {
+            "kept": sum(report[k][p] for k in ("grads", "optimizer") for p in report[k]),
+            "logits": torch.equal(logits, ref(input_ids=prompt).logits),
+            "generate": torch.equal(generated, expected), "moved": moved,
+            "backward": _refusal(lambda: engine.backward(loss)),
+            "step": _refusal(engine.step)}
+        engine.destroy()
+    return out
+
+
+def _no_optimizer_below_stage3(stage):
+    """Stages 0-2 without an optimizer: nothing kept for gradients or optimizer state either."""
+    torch.manual_seed(0)
+    model = BUILDERS["gpt2"]()
+    config = dict(STAGE3, zero_optimization={"stage": stage})
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    report = engine.memory_report()
+    ids = _batch(1)
+    with torch.no_grad():
+        same = torch.equal(engine(input_ids=ids).logits, model(input_ids=ids).logits)
+    engine.destroy()
+    return sum(report[k][p] for k in ("grads", "optimizer") for p in report[k]), same
+
+
+def _trainer_case(world, path, root):
+    """ZeroTrainer at stage 3 calls model_init under Init: the model is built partitioned and
+    loaded slice by slice, then trained."""
+    from zeroshard.integrations.hf import ZeroTrainer
+    built = []
+
+    def model_init():
+        model = hf.from_pretrained(path, config=STAGE3)
+        built.append(all(hasattr(p, INIT_ATTR) for p in model.parameters()))
+        return model
+
+    data = [{"input_ids": row, "labels": row} for row in _batch(2 * world)]
+    args = transformers.TrainingArguments(
+        output_dir=root, per_device_train_batch_size=2, max_steps=2, learning_rate=0.05,
+        report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, seed=0)
+    trainer = ZeroTrainer(model_init=model_init, args=args, train_dataset=data,
+                          zero_config={"zero_optimization": {"stage": 3}})
+    loss = trainer.train().training_loss
+    trainer.engine.destroy()
+    return built, loss
+
+
+def _lightning_case():
+    """The Lightning strategy builds configure_model()'s modules under Init at stage 3."""
+    from zeroshard.integrations.lightning import ZeroShardStrategy
+    with ZeroShardStrategy(config=STAGE3).model_sharded_context():
+        model = BUILDERS["gpt2"]()
+    return all(hasattr(p, INIT_ATTR) for p in model.parameters())
+
+
 def _world(rank, world, paths, root):
-    out = {("build", n): _construction(n) for n in BUILDERS}
+    out = {"memory": _memory_case(paths["deep"], paths["gpt2"])}
+    out.update({("build", n): _construction(n) for n in BUILDERS})
     out["own_walk"] = _refusal(_build_own_walk)
     for name in ("gpt2", "llama"):
         out[("load", name)] = _load_case(rank, world, paths[name], name)
@@ -196,6 +311,12 @@ def _world(rank, world, paths, root):
     ref = transformers.GPT2LMHeadModel.from_pretrained(paths["gpt2"])
     out["pickle_allowed"] = _same_state(ref.state_dict(), full_state_dict(allowed, False))
     out["consolidated"] = _consolidated_case(rank, world, os.path.join(root, f"w{world}"))
+    out.update({("resize", n): _resize_case(n) for n in ("gpt2", "llama")})
+    out["no_optimizer"] = _no_optimizer_case(paths["gpt2"])
+    out.update({("no_optimizer", s): _no_optimizer_below_stage3(s) for s in (0, 1, 2)})
+    if world == 2:  # the front ends, at one world size
+        out["trainer"] = _trainer_case(world, paths["gpt2"], os.path.join(root, "trainer"))
+        out["lightning"] = _lightning_case()
     return out
 
 
@@ -223,6 +344,11 @@ def _save_variants(root) -> dict[str, str]:
         write_safetensors(os.path.join(paths[variant], "model.safetensors"),
                           [(k, list(v.shape), v.dtype) for k, v in broken.items()],
                           broken.values())
+    torch.manual_seed(0)
+    deep = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=DEEP_LAYERS, n_head=4, n_embd=DEEP_WIDTH, vocab_size=VOCAB, n_positions=32))
+    paths["deep"] = str(root / "deep")
+    deep.save_pretrained(paths["deep"])
     paths["bin"] = str(root / "bin")
     gpt2.config.save_pretrained(paths["bin"])
     torch.save(state, os.path.join(paths["bin"], "pytorch_model.bin"))
@@ -276,6 +402,16 @@ def test_loaded_logits_bitwise_and_step_matches(world, name, saved):
     assert sum(r[("load", name)]["read"] for r in results) == total
 
 
+def test_load_peak_memory_is_shards_plus_a_few_units(world):
+    size, results = world
+    block = 12 * DEEP_WIDTH ** 2 * 4  # one transformer block's parameters, fp32 bytes
+    for rank, got in enumerate(results):
+        rise, full = got["memory"]
+        bound = full / size + 4 * block  # its shards plus a few units (blocks)
+        assert rise <= bound, f"rank {rank} of {size}: peak RSS rose {rise / 2**20:.1f} MiB, " \
+            f"bound {bound / 2**20:.1f} MiB (model {full / 2**20:.1f} MiB)"
+
+
 def test_missing_keys_get_hf_init_and_dtype_is_honoured(world):
     for got in world[1]:
         assert got["missing"] == []
@@ -302,3 +438,37 @@ def test_below_stage3_is_transformers_from_pretrained(saved):
         "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
     ref = transformers.GPT2LMHeadModel.from_pretrained(saved[0]["gpt2"])
     assert type(model) is type(ref) and _same_state(ref.state_dict(), model.state_dict()) == []
+
+
+def test_resize_token_embeddings_at_stage3(world):
+    for got in world[1]:
+        for name, tied in (("gpt2", True), ("llama", False)):
+            differ, is_tied, vocab = got[("resize", name)]
+            assert differ == [] and is_tied == tied and vocab == VOCAB + 16, name
+
+
+def test_engine_without_optimizer_infers_and_generates(world):
+    size, results = world
+    for got in results:
+        cases = got["no_optimizer"]
+        for case in cases.values():
+            assert case["kept"] == 0
+            assert case["logits"] and case["generate"]
+            assert "without an optimizer" in case["backward"] and "engine.backward" in \
+                case["backward"]
+            assert "engine.step" in case["step"]
+        if size > 1:  # the model gathered once for 8 decode steps, vs per step beyond the budget
+            assert 0 < 3 * cases[10**9]["moved"] < cases[1000]["moved"]
+        for stage in (0, 1, 2):
+            kept, same = got[("no_optimizer", stage)]
+            assert kept == 0 and same, stage
+
+
+def test_trainer_and_lightning_build_partitioned(world):
+    size, results = world
+    if size != 2:
+        pytest.skip("run in the world of 2")
+    for got in results:
+        built, loss = got["trainer"]
+        assert built == [True] and loss == loss and loss > 0
+        assert got["lightning"]

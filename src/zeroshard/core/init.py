@@ -33,7 +33,7 @@ from torch import nn
 from ..comm import Comm, default_device, init_distributed
 from ..config.schema import load_config
 from .hostmem import mark_cpu_as_host, return_freed_memory, to_device
-from .init_hf import patch_initialize_weights
+from .init_hf import attach_stage3_methods, patch_initialize_weights
 from .layout import INIT_ATTR, OWNER_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
 
 # Host memory freed by partitioning, in bytes, after which it is handed back to the OS.
@@ -56,7 +56,9 @@ class Init:
         if enabled and source is not None:
             init_distributed()  # as initialize() would: torchrun's environment, or a world of 1
             stage = load_config(source, world_size=dist.get_world_size()).zero_optimization.stage
-        self.enabled = enabled and stage == 3
+        # Nested inside an active Init (a model_init that calls integrations.hf.from_pretrained
+        # under ZeroTrainer's Init): the outer context already partitions everything built.
+        self.enabled = enabled and stage == 3 and not init_active()
         self._patched: dict[type, object] = {}
         self._depth: dict[int, int] = {}
         self._building: list[list[nn.Module]] = []  # per constructor running: finished children
@@ -84,6 +86,7 @@ class Init:
         def apply(module, fn):
             return init_ctx._apply_gathered(module, fn)
 
+        apply._zeroshard_init = True  # marks an active Init (init_active)
         nn.Module.apply = apply
         # Hugging Face models initialize through their own walk, not Module.apply (init_hf.py).
         self._undo_hf = patch_initialize_weights(self)
@@ -166,6 +169,7 @@ class Init:
                 else:  # an outermost model is complete
                     self._flush([module])
                     self._check_no_lost_writes(module)
+                    attach_stage3_methods(module)
 
         cls.__init__ = init
 
@@ -180,33 +184,56 @@ class Init:
             self._freed = 0
 
     def _partition(self, module: nn.Module) -> None:
-        """Keep only this rank's slice of each of `module`'s own trainable parameters.
-
-        One construction unit per parameter: the parameter is copied to the compute device (a
-        no-op when it was built there or the device is the CPU), rank 0's values are broadcast
-        into that copy, the slice is copied out, and every full-size copy is dropped.
-        """
+        """Keep only this rank's slice of each of `module`'s own trainable parameters."""
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or hasattr(param, INIT_ATTR) or param.numel() == 0:
                 continue
-            numel = param.numel()
-            unit = Unit(-1, -1, param.dtype, [Slot(param, name, 0, numel, param.shape)],
-                        self.comm.world_size, numel=numel,
-                        padded_numel=padded_size(numel, self.comm.world_size), device=self.device)
-            unit.owner = type(module).__name__
             if param.device.type == "cpu":
-                self._freed += numel * param.element_size()
-            # NCCL takes device tensors only: a module built on the CPU moves first.
-            data = to_device(mark_cpu_as_host(param.data).reshape(-1), self.device)
-            self.comm.broadcast(data, src=0)
-            lo, hi = unit.shard_bounds(self.comm.rank)
-            unit.shard = torch.zeros(hi - lo, dtype=param.dtype, device=self.device)
-            kept = max(0, min(hi, numel) - lo)
-            unit.shard[:kept].copy_(data[lo:lo + kept])
-            del data
-            unit.release()
-            setattr(param, INIT_ATTR, (unit, self.comm))
+                self._freed += param.numel() * param.element_size()
+            partition_parameter(param, name, type(module).__name__, self.comm, self.device)
             self._versions[id(param)] = param._version
+
+
+def partition_parameter(param: nn.Parameter, name: str, owner: str, comm: Comm,
+                        device: torch.device) -> None:
+    """Make `param` its own construction unit holding only this rank's 1/N slice.
+
+    The parameter is copied to the compute device (a no-op when it was built there or the device
+    is the CPU), rank 0's values are broadcast into that copy, the slice is copied out, and every
+    full-size copy is dropped.
+    """
+    numel = param.numel()
+    unit = Unit(-1, -1, param.dtype, [Slot(param, name, 0, numel, param.shape)],
+                comm.world_size, numel=numel,
+                padded_numel=padded_size(numel, comm.world_size), device=device)
+    unit.owner = owner
+    # NCCL takes device tensors only: a module built on the CPU moves first.
+    data = to_device(mark_cpu_as_host(param.data).reshape(-1), device)
+    comm.broadcast(data, src=0)
+    lo, hi = unit.shard_bounds(comm.rank)
+    unit.shard = torch.zeros(hi - lo, dtype=param.dtype, device=device)
+    kept = max(0, min(hi, numel) - lo)
+    unit.shard[:kept].copy_(data[lo:lo + kept])
+    del data
+    unit.release()
+    setattr(param, INIT_ATTR, (unit, comm))
+
+
+def partition_new_parameters(model: nn.Module) -> None:
+    """Partition (as Init does) the trainable parameters of `model` that are still whole, e.g.
+    the modules Hugging Face's resize_token_embeddings builds for a partitioned model."""
+    comm, device = Comm(), default_device()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad and param.numel() and not hasattr(param, INIT_ATTR):
+                partition_parameter(param, name, type(module).__name__, comm, device)
+    return_freed_memory()
+
+
+def init_active() -> bool:
+    """Whether a `zeroshard.Init` context is active (it replaces `nn.Module.apply`)."""
+    return getattr(nn.Module.apply, "_zeroshard_init", False)
+
 
 def init_units(model: nn.Module) -> list[Unit]:
     """The construction-time units still holding parameters of `model` (each once)."""

@@ -11,12 +11,17 @@ init on the whole tensors (so the random generator advances exactly as in a norm
 construction), rank 0's values are broadcast, and each rank keeps its slice. Weights are thus
 bitwise those of a normal construction under the same seed.
 
+A model built so also gets instance methods for stage 3 (`attach_stage3_methods`): `generate`
+keeps the model gathered across decode steps while stage3_max_live_parameters allows, and
+`resize_token_embeddings` resizes partitioned embeddings.
+
 transformers is never imported here: the class is found in `sys.modules` (a model cannot be
 built without it being imported first), so zeroshard's core does not depend on it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from contextlib import nullcontext
@@ -24,7 +29,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from .layout import INIT_ATTR, ZeroParamStatus, set_status
+from .layout import INIT_ATTR, OWNER_ATTR, ZeroParamStatus, set_status
 
 HF_FLAG = "_is_hf_initialized"
 
@@ -132,3 +137,72 @@ def run_gathered(init_ctx, module: nn.Module, params: list[nn.Parameter], fn) ->
             unit.release()
             for slot in unit.slots:  # these writes were kept
                 init_ctx._versions[id(slot.param)] = slot.param._version
+
+
+# -- methods of a partitioned Hugging Face model ---------------------------------------------------
+def attach_stage3_methods(model: nn.Module) -> None:
+    """Give a Hugging Face model built partitioned a `generate` that keeps the model gathered
+    across decode steps and a `resize_token_embeddings` that works on partitioned embeddings
+    (instance attributes; a model that is not a transformers PreTrainedModel is left alone)."""
+    base = pretrained_base()
+    if base is None or not isinstance(model, base):
+        return
+    generate, resize = model.generate, model.resize_token_embeddings
+    model.generate = functools.wraps(generate)(
+        lambda *args, **kwargs: generate_gathered(model, generate, *args, **kwargs))
+    model.resize_token_embeddings = functools.wraps(resize)(
+        lambda *args, **kwargs: resize_partitioned(model, resize, *args, **kwargs))
+
+
+def _live_budget(params) -> int | None:
+    """The engine's stage3_max_live_parameters, or None before initialize()."""
+    for param in params:
+        owner = getattr(param, OWNER_ATTR, None)
+        options = getattr(getattr(owner[0], "policy", None), "options", None) if owner else None
+        if options is not None:
+            return options.max_live_parameters
+    return None
+
+
+def generate_gathered(model: nn.Module, generate, *args, **kwargs):
+    """`generate` with every unit gathered once for all decode steps when the whole model fits
+    in stage3_max_live_parameters (otherwise each step gathers unit by unit, as a forward does).
+    Before initialize() there are no per-unit gathers, so the model is gathered whole."""
+    from .gathered import GatheredParameters
+
+    params = list(model.parameters())
+    partitioned = any(hasattr(p, OWNER_ATTR) or hasattr(p, INIT_ATTR) for p in params)
+    budget = _live_budget(params)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # whole sizes, also released
+    if not partitioned or (budget is not None and total > budget):
+        return generate(*args, **kwargs)
+    with GatheredParameters(params):
+        return generate(*args, **kwargs)
+
+
+def resize_partitioned(model: nn.Module, resize, *args, **kwargs):
+    """Hugging Face's `resize_token_embeddings` on gathered embeddings; the new embedding (and
+    untied head) it builds are partitioned as Init would, with rank 0's values."""
+    from .gathered import GatheredParameters
+    from .init import partition_new_parameters
+
+    if any(hasattr(p, OWNER_ATTR) for p in model.parameters()):
+        raise RuntimeError(
+            "resize_token_embeddings on a model already wrapped by zeroshard.initialize(): its "
+            "units are fixed by then. Resize before initialize() (as the Hugging Face Trainer "
+            "does), then wrap the model.")
+    embeddings = list({id(m.weight): m.weight for m in (model.get_input_embeddings(),
+                                                        model.get_output_embeddings())
+                       if isinstance(getattr(m, "weight", None), nn.Parameter)}.values())
+    with GatheredParameters(embeddings):
+        out = resize(*args, **kwargs)
+        # transformers swaps the resized values into the old embedding parameter (`.data`):
+        # keep them from the release below, which would empty that parameter again.
+        resized = {id(p): p.data for p in embeddings
+                   if hasattr(p, INIT_ATTR) and tuple(p.shape) != tuple(p.ds_shape)}
+    for param in embeddings:
+        if id(param) in resized:
+            delattr(param, INIT_ATTR)
+            param.data = resized[id(param)]
+    partition_new_parameters(model)
+    return out

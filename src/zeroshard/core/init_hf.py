@@ -29,6 +29,8 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from .gathered import GatheredParameters
+from .init_units import partition_new_parameters
 from .layout import INIT_ATTR, OWNER_ATTR, ZeroParamStatus, set_status
 
 HF_FLAG = "_is_hf_initialized"
@@ -168,8 +170,6 @@ def generate_gathered(model: nn.Module, generate, *args, **kwargs):
     """`generate` with every unit gathered once for all decode steps when the whole model fits
     in stage3_max_live_parameters (otherwise each step gathers unit by unit, as a forward does).
     Before initialize() there are no per-unit gathers, so the model is gathered whole."""
-    from .gathered import GatheredParameters
-
     params = list(model.parameters())
     partitioned = any(hasattr(p, OWNER_ATTR) or hasattr(p, INIT_ATTR) for p in params)
     budget = _live_budget(params)
@@ -183,9 +183,6 @@ def generate_gathered(model: nn.Module, generate, *args, **kwargs):
 def resize_partitioned(model: nn.Module, resize, *args, **kwargs):
     """Hugging Face's `resize_token_embeddings` on gathered embeddings; the new embedding (and
     untied head) it builds are partitioned as Init would, with rank 0's values."""
-    from .gathered import GatheredParameters
-    from .init import partition_new_parameters
-
     if any(hasattr(p, OWNER_ATTR) for p in model.parameters()):
         raise RuntimeError(
             "resize_token_embeddings on a model already wrapped by zeroshard.initialize(): its "

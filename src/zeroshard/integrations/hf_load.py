@@ -229,7 +229,12 @@ def stream_weights(plan: dict) -> None:
 def from_pretrained(name_or_path, config=None, model_class=None, allow_pickle: bool = False,
                     **hf_kwargs):
     """A pretrained Hugging Face model; at stage 3 built partitioned and loaded slice by slice
-    (module docstring), below it transformers' own `from_pretrained(name_or_path, **hf_kwargs)`."""
+    (module docstring), below it transformers' own `from_pretrained(name_or_path, **hf_kwargs)`.
+
+    At stage 3, `dtype` / `torch_dtype` choose the parameters' dtype ("auto" by default),
+    `hf_config` replaces the directory's config.json, and the other keyword arguments go to the
+    model's construction (`_from_config`).
+    """
     import transformers
     if _stage(config) != 3:
         cls = model_class or transformers.AutoModelForCausalLM

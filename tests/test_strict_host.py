@@ -191,14 +191,14 @@ def _undone(module, name, replacement, run):
 
 def _caught(rank, world, root):
     from zeroshard import engine as engine_module
-    from zeroshard.core import init, optim, stage2
+    from zeroshard.core import init_units, optim, stage2
     from zeroshard.offload import optimizer as placements
 
     cpu, nvme = {"device": "cpu"}, {"device": "nvme", "nvme_path": root}
     return {
         "norm": _undone(optim, "to_device", lambda t, d: t,
                         lambda: _one_step(2, offload_optimizer=cpu)),
-        "init": _undone(init, "to_device", lambda t, d: t, _build_under_init),
+        "init": _undone(init_units, "to_device", lambda t, d: t, _build_under_init),
         "buffers": _undone(engine_module, "to_device", lambda t, d: t,
                            lambda: _one_step(2, model=WithBuffer())),
         "landing": _undone(stage2, "to_host", lambda t, *a: t,

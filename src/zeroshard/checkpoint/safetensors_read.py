@@ -56,7 +56,7 @@ class TensorEntry:
         if not 0 <= start <= end <= self.numel:
             raise ValueError(f"{self.path}: elements [{start}, {end}) outside a tensor of "
                              f"{self.numel}")
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         out = host_empty(((end - start) * item,), torch.uint8)
         if end > start:
             with open(self.path, "rb", buffering=0) as fh:
@@ -91,7 +91,7 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         begin, end = info["data_offsets"]
         entry = TensorEntry(path, TORCH_DTYPES[info["dtype"]], tuple(info["shape"]),
                             data_start + begin, data_start + end)
-        item = torch.empty((), dtype=entry.dtype).element_size()
+        item = entry.dtype.itemsize
         if end - begin != entry.numel * item or entry.end > size:
             raise ValueError(f"{path}: tensor {name}'s byte range does not match its shape "
                              f"{list(entry.shape)} or lies past the end of the file")

@@ -37,7 +37,8 @@ class NoPlacement:
 
     def __init__(self, units):
         # One empty stand-in per unit: the placeholder's param groups point at these.
-        self.masters = [torch.nn.Parameter(torch.empty(0), requires_grad=False) for _ in units]
+        self.masters = [torch.nn.Parameter(torch.empty(0, device=unit.compute_device),
+                                           requires_grad=False) for unit in units]
 
     def ledger(self) -> dict:
         """Nothing held."""

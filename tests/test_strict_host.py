@@ -265,7 +265,7 @@ def test_the_default_group_refuses_host_memory_naming_the_call_site(results, kin
 
 
 @pytest.mark.parametrize("bug,where", [
-    ("norm", "all_reduce at optim.py"), ("init", "broadcast at init.py"),
+    ("norm", "all_reduce at optim.py"), ("init", "broadcast at init_units.py"),
     ("buffers", "broadcast at engine.py"), ("landing", "aten.add_.Tensor at stage2.py"),
     ("stage1", "aten._fused_adamw_.default at optimizer.py"),
     ("stage1-nvme", "aten._fused_adamw_.default at optimizer.py")])

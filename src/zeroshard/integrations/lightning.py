@@ -143,10 +143,12 @@ class ZeroShardStrategy(DDPStrategy):
                 optimizer = None  # then the config's optimizer block builds it
             schedulers = list(self.lr_scheduler_configs)
         else:
-            # Nothing is trained: an engine without an optimizer (no gradient or optimizer state).
+            # Nothing is trained: a stateless optimizer lets the engine shard and load weights
+            # (from a checkpoint too, which an engine without an optimizer cannot).
             for key in ("optimizer", "scheduler", "gradient_clipping"):
                 config.pop(key, None)
-            optimizer = None
+            params = [p for p in module.parameters() if p.requires_grad]
+            optimizer = torch.optim.SGD(params, lr=0.0) if params else None
         engine, zero_optimizer, _, config_scheduler = zeroshard.initialize(
             model=module, optimizer=optimizer, config=config)
         if config_scheduler is not None:

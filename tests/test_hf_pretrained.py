@@ -88,6 +88,11 @@ def _refusal(fn):
     return None
 
 
+def _transformers_load_under_init(path):
+    with zeroshard.Init(config=STAGE3):
+        transformers.GPT2LMHeadModel.from_pretrained(path)
+
+
 def _build_own_walk():
     with zeroshard.Init(config=STAGE3):
         OwnInitWalk()
@@ -307,6 +312,7 @@ def _world(rank, world, paths, root):
     out["unexpected"] = _refusal(lambda: hf.from_pretrained(paths["unexpected"], config=STAGE3))
     out["shape"] = _refusal(lambda: hf.from_pretrained(paths["shape"], config=STAGE3))
     out["pickle"] = _refusal(lambda: hf.from_pretrained(paths["bin"], config=STAGE3))
+    out["meta"] = _refusal(lambda: _transformers_load_under_init(paths["gpt2"]))
     allowed = hf.from_pretrained(paths["bin"], config=STAGE3, allow_pickle=True)
     ref = transformers.GPT2LMHeadModel.from_pretrained(paths["gpt2"])
     out["pickle_allowed"] = _same_state(ref.state_dict(), full_state_dict(allowed, False))
@@ -426,6 +432,7 @@ def test_bad_checkpoints_are_refused_by_name(world):
         assert "transformer.wpe.weight: checkpoint [16, 32], model [32, 32]" in got["shape"]
         assert "pickle" in got["pickle"] and "allow_pickle=True" in got["pickle"]
         assert got["pickle_allowed"] == []
+        assert "meta device" in got["meta"] and "integrations.hf.from_pretrained" in got["meta"]
 
 
 def test_consolidated_checkpoint_loads_back(world):

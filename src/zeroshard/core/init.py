@@ -191,6 +191,12 @@ class Init:
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or hasattr(param, INIT_ATTR) or param.numel() == 0:
                 continue
+            if param.is_meta:
+                raise RuntimeError(
+                    f"zeroshard.Init: {type(module).__name__}.{name} was built on the meta device "
+                    "(transformers' own from_pretrained does that), so it has no values to "
+                    "partition. At stage 3 load with zeroshard.integrations.hf.from_pretrained("
+                    "path, config=ds_config), which builds under Init and streams the weights.")
             if param.device.type == "cpu":
                 self._freed += param.numel() * param.element_size()
             partition_parameter(param, name, type(module).__name__, self.comm, self.device)

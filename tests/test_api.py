@@ -72,7 +72,7 @@ def _api(rank, world, config_path):
 
     # Bad input names the problem.
     m = make_model()
-    out["no_optimizer"] = _expect_error(lambda: zeroshard.initialize(model=m, config={}))
+    out["no_optimizer"] = _expect_error(lambda: zeroshard.prepare(m, None, config={}))
 
     class Lamb(torch.optim.SGD):
         pass
@@ -146,7 +146,7 @@ def test_torch_lr_scheduler_accepts_zero_optimizer(api):
 
 
 @pytest.mark.parametrize("key,needle", [
-    ("no_optimizer", "no optimizer"),
+    ("no_optimizer", "prepare() needs an optimizer"),
     ("lamb", "Lamb needs whole parameter tensors"),
     ("foreign", "not a parameter of the model"),
     ("unit_class", "zeroshard_unit_classes: no module of class ['GPT2Block'] in TinyLM"),

@@ -80,17 +80,6 @@ def _case(rank, world, name, threshold):
     return err, units
 
 
-def _init_refusal():
-    """Hugging Face's post_init re-initialises weights outside Module.apply: Init must refuse it
-    with a clear error instead of returning a model whose initial weights silently differ."""
-    try:
-        with zeroshard.Init(config={"train_batch_size": 2, "zero_optimization": {"stage": 3}}):
-            _build("gpt2")
-    except RuntimeError as err:
-        return str(err)
-    return None
-
-
 def _checkpoint(rank, world, root):
     """Train GPT-2 at stage 3, save a checkpoint; return the live weights."""
     model = _build("gpt2")
@@ -109,7 +98,6 @@ def _checkpoint(rank, world, root):
 
 def _all(rank, world, root):
     out = {(name, t): _case(rank, world, name, t) for name in MODELS for t in (0, 100)}
-    out["init"] = _init_refusal()
     out["live"] = _checkpoint(rank, world, root)
     return out
 
@@ -141,12 +129,6 @@ def test_hf_model_matches_reference_at_stage3(results, name, threshold):
             outside = {"gpt2": ["transformer.wte", "transformer.wpe", "transformer.ln_f"],
                        "llama": ["model.embed_tokens", "model.norm", "lm_head"]}[name]
             assert [u for u in units if not u.startswith(layer)] == sorted(outside), units
-
-
-def test_init_refuses_models_that_reinitialise_after_construction(results):
-    for message in (r["init"] for r in results):
-        assert message is not None and "GPT2LMHeadModel wrote to" in message
-        assert "post_init" in message and "without zeroshard.Init" in message
 
 
 def test_consolidated_checkpoint_loads_with_from_pretrained(results, ckpt_root):

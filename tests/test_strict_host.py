@@ -191,14 +191,14 @@ def _undone(module, name, replacement, run):
 
 def _caught(rank, world, root):
     from zeroshard import engine as engine_module
-    from zeroshard.core import init, optim, stage2
+    from zeroshard.core import init_units, optim, stage2
     from zeroshard.offload import optimizer as placements
 
     cpu, nvme = {"device": "cpu"}, {"device": "nvme", "nvme_path": root}
     return {
         "norm": _undone(optim, "to_device", lambda t, d: t,
                         lambda: _one_step(2, offload_optimizer=cpu)),
-        "init": _undone(init, "to_device", lambda t, d: t, _build_under_init),
+        "init": _undone(init_units, "to_device", lambda t, d: t, _build_under_init),
         "buffers": _undone(engine_module, "to_device", lambda t, d: t,
                            lambda: _one_step(2, model=WithBuffer())),
         "landing": _undone(stage2, "to_host", lambda t, *a: t,
@@ -265,7 +265,7 @@ def test_the_default_group_refuses_host_memory_naming_the_call_site(results, kin
 
 
 @pytest.mark.parametrize("bug,where", [
-    ("norm", "all_reduce at optim.py"), ("init", "broadcast at init.py"),
+    ("norm", "all_reduce at optim.py"), ("init", "broadcast at init_units.py"),
     ("buffers", "broadcast at engine.py"), ("landing", "aten.add_.Tensor at stage2.py"),
     ("stage1", "aten._fused_adamw_.default at optimizer.py"),
     ("stage1-nvme", "aten._fused_adamw_.default at optimizer.py")])

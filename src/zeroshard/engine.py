@@ -21,6 +21,8 @@ from .comm import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
 from .config.schema import ZeroConfig, load_config, read_raw, require_supported
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
+from .core.no_optimizer import (REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer,
+                                release_gradient_memory)
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.scaler import LossScaler
 from .core.stage3 import Stage3Options
@@ -43,6 +45,8 @@ class Engine(nn.Module):
         self.comm = comm
         self.device = device or torch.device("cpu")
         self.scaler = optimizer.scaler
+        #: Built without an optimizer (core/no_optimizer.py): forward only.
+        self.inference_only = is_placeholder(optimizer.optimizer)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -142,6 +146,8 @@ class Engine(nn.Module):
             raise ValueError("engine.backward expects a scalar loss tensor; reduce it (e.g. "
                              f".mean()) first, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
+        if self.inference_only:
+            raise RuntimeError(REFUSAL.format(what="engine.backward"))
         scale = self.scaler.scale / self.gradient_accumulation_steps()
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         return loss
@@ -153,6 +159,8 @@ class Engine(nn.Module):
         skip before the error propagates, so a caller that catches it stays on the same
         accumulation schedule.
         """
+        if self.inference_only:
+            raise RuntimeError(REFUSAL.format(what="engine.step"))
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
@@ -357,9 +365,7 @@ def _make_optimizer(optimizer, model_parameters, module: nn.Module, cfg: ZeroCon
         return optimizer(params)
     if cfg.optimizer is not None:
         return build_optimizer(cfg.optimizer, params)
-    raise ValueError("no optimizer: pass optimizer=<torch optimizer or callable> to initialize(), "
-                     "or add an \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} "
-                     "block to the config")
+    return placeholder_optimizer(params)  # an engine for inference only (core/no_optimizer.py)
 
 
 def _check_owned(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
@@ -392,6 +398,8 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
         for tensor in [*model.parameters(), *model.buffers()]:
             mark_cpu_as_host(tensor)  # strict mode: a model built on the CPU is in host memory
         zopt = _make_zero_optimizer(model, torch_opt, comm, cfg, dtype, device)
+        if is_placeholder(torch_opt):
+            release_gradient_memory(zopt)
         # The units are on the device now (stage 3: one at a time, never the whole model); the
         # rest follows: frozen parameters and buffers, in the compute dtype.
         _move_rest(model, zopt, device, dtype)
@@ -418,7 +426,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                                                           rank=comm.rank)),
                          persistence_threshold=zero.stage3_param_persistence_threshold,
                          unit_classes=zero.zeroshard_unit_classes,
-                         make_placement=functools.partial(
+                         make_placement=make_no_placement if is_placeholder(torch_opt) else
+                         functools.partial(
                              make_placement, zero.offload_optimizer if zero.stage > 0 else None,
                              cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
                          device=device)
@@ -518,6 +527,10 @@ def prepare(model: nn.Module, optimizer, config=None):
         cfg_source = {k: v for k, v in cfg_source.items() if k != "gradient_accumulation_steps"}
     init_distributed()
     cfg = load_config(cfg_source, world_size=dist.get_world_size())
+    if optimizer is None and cfg.optimizer is None:
+        raise ValueError("prepare() needs an optimizer: pass a torch optimizer, or add an "
+                         "\"optimizer\" block to the config (for inference only, use "
+                         "zeroshard.initialize(model=..., config=...) without one)")
     if cfg.fp16.enabled:
         raise ValueError("prepare() cannot do fp16: plain loss.backward() skips loss scaling. "
                          "Use bf16 (\"bf16\": {\"enabled\": true}) or zeroshard.initialize() and "

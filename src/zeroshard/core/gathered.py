@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import Comm, default_device
-from .init import gather_init_units
+from .init_units import gather_init_units
 from .layout import INIT_ATTR, OWNER_ATTR
 
 

@@ -16,7 +16,8 @@ gathered, one module at a time (an apply function must not reach into other modu
 `initialize()` later re-lays these construction-time slices into stage-3 units with one
 all-to-all per unit, never gathering them (`materialize.py`). Other code that writes parameters
 after their module was built, outside `Module.apply`, must do so inside
-`zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed.
+`zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed. A Hugging Face
+model's own init walk (`post_init`) is run the same way, on gathered parameters (`init_hf.py`).
 `load_full_state_dict` fills a partitioned model from a full state dict, unit by unit, each rank
 copying only its slices.
 """
@@ -31,8 +32,12 @@ from torch import nn
 
 from ..comm import Comm, default_device, init_distributed
 from ..config.schema import load_config
-from .hostmem import mark_cpu_as_host, return_freed_memory, to_device
-from .layout import INIT_ATTR, OWNER_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
+from .hostmem import return_freed_memory
+from .init_hf import attach_stage3_methods, patch_initialize_weights
+# init_units, take_full and gather_init_units are re-exported (their users import them from here).
+from .init_units import (gather_init_units, init_units, partition_parameter,  # noqa: F401
+                         take_full)
+from .layout import INIT_ATTR, OWNER_ATTR
 
 # Host memory freed by partitioning, in bytes, after which it is handed back to the OS.
 TRIM_BYTES = 4 << 20
@@ -54,7 +59,9 @@ class Init:
         if enabled and source is not None:
             init_distributed()  # as initialize() would: torchrun's environment, or a world of 1
             stage = load_config(source, world_size=dist.get_world_size()).zero_optimization.stage
-        self.enabled = enabled and stage == 3
+        # Nested inside an active Init (a model_init that calls integrations.hf.from_pretrained
+        # under ZeroTrainer's Init): the outer context already partitions everything built.
+        self.enabled = enabled and stage == 3 and not init_active()
         self._patched: dict[type, object] = {}
         self._depth: dict[int, int] = {}
         self._building: list[list[nn.Module]] = []  # per constructor running: finished children
@@ -82,12 +89,16 @@ class Init:
         def apply(module, fn):
             return init_ctx._apply_gathered(module, fn)
 
+        apply._zeroshard_init = True  # marks an active Init (init_active)
         nn.Module.apply = apply
+        # Hugging Face models initialize through their own walk, not Module.apply (init_hf.py).
+        self._undo_hf = patch_initialize_weights(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
+        self._undo_hf()
         nn.Module.apply = self._original_apply
         if self._had_init_subclass:
             nn.Module.__init_subclass__ = self._original_init_subclass
@@ -123,7 +134,7 @@ class Init:
                 f"zeroshard.Init: building {type(model).__name__} wrote to {len(lost)} parameters "
                 f"after they were partitioned (e.g. {', '.join(lost[:3])}), so the written values "
                 "would be lost. Typically a whole-model init pass that does not go through "
-                "Module.apply (Hugging Face's post_init walks the model itself), or an apply "
+                "Module.apply (Hugging Face's post_init is handled), or an apply "
                 "function that writes to other modules' parameters (under Init each call sees its "
                 "own module's parameters only). Build the model "
                 "without zeroshard.Init - initialize() partitions it afterwards - or wrap those "
@@ -161,6 +172,7 @@ class Init:
                 else:  # an outermost model is complete
                     self._flush([module])
                     self._check_no_lost_writes(module)
+                    attach_stage3_methods(module)
 
         cls.__init__ = init
 
@@ -175,75 +187,25 @@ class Init:
             self._freed = 0
 
     def _partition(self, module: nn.Module) -> None:
-        """Keep only this rank's slice of each of `module`'s own trainable parameters.
-
-        One construction unit per parameter: the parameter is copied to the compute device (a
-        no-op when it was built there or the device is the CPU), rank 0's values are broadcast
-        into that copy, the slice is copied out, and every full-size copy is dropped.
-        """
+        """Keep only this rank's slice of each of `module`'s own trainable parameters."""
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or hasattr(param, INIT_ATTR) or param.numel() == 0:
                 continue
-            numel = param.numel()
-            unit = Unit(-1, -1, param.dtype, [Slot(param, name, 0, numel, param.shape)],
-                        self.comm.world_size, numel=numel,
-                        padded_numel=padded_size(numel, self.comm.world_size), device=self.device)
-            unit.owner = type(module).__name__
+            if param.is_meta:
+                raise RuntimeError(
+                    f"zeroshard.Init: {type(module).__name__}.{name} was built on the meta device "
+                    "(transformers' own from_pretrained does that), so it has no values to "
+                    "partition. At stage 3 load with zeroshard.integrations.hf.from_pretrained("
+                    "path, config=ds_config), which builds under Init and streams the weights.")
             if param.device.type == "cpu":
-                self._freed += numel * param.element_size()
-            # NCCL takes device tensors only: a module built on the CPU moves first.
-            data = to_device(mark_cpu_as_host(param.data).reshape(-1), self.device)
-            self.comm.broadcast(data, src=0)
-            lo, hi = unit.shard_bounds(self.comm.rank)
-            unit.shard = torch.zeros(hi - lo, dtype=param.dtype, device=self.device)
-            kept = max(0, min(hi, numel) - lo)
-            unit.shard[:kept].copy_(data[lo:lo + kept])
-            del data
-            unit.release()
-            setattr(param, INIT_ATTR, (unit, self.comm))
+                self._freed += param.numel() * param.element_size()
+            partition_parameter(param, name, type(module).__name__, self.comm, self.device)
             self._versions[id(param)] = param._version
 
-def init_units(model: nn.Module) -> list[Unit]:
-    """The construction-time units still holding parameters of `model` (each once)."""
-    units = {}
-    for param in model.parameters():
-        owner = getattr(param, INIT_ATTR, None)
-        if owner is not None:
-            units[id(owner[0])] = owner[0]
-    return list(units.values())
 
-
-def gather_init_units(params) -> list[Unit]:
-    """Gather the construction-time units of `params` (in a rank-independent order)."""
-    units, seen = [], set()
-    for param in params:
-        owner = getattr(param, INIT_ATTR, None)
-        if owner is not None and id(owner[0]) not in seen:
-            seen.add(id(owner[0]))
-            units.append(owner)
-    for unit, comm in units:
-        if not unit.is_gathered:
-            comm.all_gather(unit.allocate(), unit.shard)
-            set_status(unit, ZeroParamStatus.AVAILABLE)
-    return [u for u, _ in units]
-
-
-def take_full(params) -> None:
-    """Give construction-partitioned `params` whole storage again, one construction unit at a time."""
-    pending = [p for p in params if hasattr(p, INIT_ATTR)]
-    while pending:
-        unit = getattr(pending[0], INIT_ATTR)[0]
-        mine = [p for p in pending if getattr(p, INIT_ATTR)[0] is unit]
-        gather_init_units(mine)
-        wanted = {id(p) for p in mine}
-        for slot, view in unit.views(unit.flat):
-            if id(slot.param) in wanted:
-                slot.param.data = view.clone()
-                delattr(slot.param, INIT_ATTR)
-        # The parameters that left keep their copies; the rest stay partitioned.
-        unit.slots = [s for s in unit.slots if id(s.param) not in wanted]
-        unit.release()
-        pending = [p for p in pending if id(p) not in wanted]
+def init_active() -> bool:
+    """Whether a `zeroshard.Init` context is active (it replaces `nn.Module.apply`)."""
+    return getattr(nn.Module.apply, "_zeroshard_init", False)
 
 
 @torch.no_grad()

@@ -13,6 +13,10 @@ optimizer step and the LR scheduler, and the loop keeps the Trainer's public pie
 `create_scheduler`, `log`, the callbacks (`TrainerControl` decides when to log / evaluate / save /
 stop), `TrainerState` and `evaluate`.
 
+At stage 3, a `model_init` (instead of `model=`) is called under `zeroshard.Init`, so the model is
+built partitioned; `model_init=lambda: from_pretrained(path, config=zero_config)` loads a
+pretrained model slice by slice (`hf_load.py`).
+
 TrainingArguments honoured: num_train_epochs, max_steps, per_device_train_batch_size,
 gradient_accumulation_steps, learning_rate, weight_decay, adam_beta1 / adam_beta2, adam_epsilon,
 optim (the Trainer's optimizer, unless zero_config has an "optimizer" block), lr_scheduler_type,
@@ -102,10 +106,17 @@ class ZeroTrainer(Trainer):
     def __init__(self, *args, zero_config=None, **kwargs):
         if zero_config is None:
             raise ValueError("ZeroTrainer needs zero_config=<DeepSpeed-style dict or JSON path>")
+        self.zero_config = zero_config  # call_model_init (inside Trainer.__init__) reads it
         super().__init__(*args, **kwargs)
-        self.zero_config = zero_config
         self.engine = None
         self._saved_step = None
+
+    def call_model_init(self, trial=None):
+        """`model_init()` under zeroshard.Init at stage 3: the model is built partitioned (a
+        `from_pretrained` of this module inside it streams its weights slice by slice)."""
+        stage = read_raw(self.zero_config).get("zero_optimization", {}).get("stage", 0)
+        with zeroshard.Init(config={"zero_optimization": {"stage": stage}}):
+            return super().call_model_init(trial)
 
     # -- the engine --------------------------------------------------------------------------------
     def _build_engine(self, max_steps: int):
@@ -293,3 +304,6 @@ def _mean_over_ranks(value: torch.Tensor, device) -> float:
         dist.all_reduce(value)
         return value.item() / dist.get_world_size()
     return value.item()
+
+
+from .hf_load import from_config, from_pretrained  # noqa: E402,F401 - the stage-3 loading path

@@ -3,6 +3,8 @@
 The strategy is Lightning's DDP strategy (launchers, process group, collectives, distributed
 sampler) with the model wrapped by a zeroshard engine instead of DistributedDataParallel:
 
+- `configure_model()` runs under `zeroshard.Init` at stage 3 (`model_sharded_context`): modules
+  built there are partitioned as they are built.
 - `setup` builds the engine from the LightningModule and the one optimizer (and LR schedulers)
   `configure_optimizers` returns, or the config's `optimizer` / `scheduler` blocks. Lightning
   keeps stepping the schedulers; they act on the re-seated param groups.
@@ -22,6 +24,7 @@ sampler) with the model wrapped by a zeroshard engine instead of DistributedData
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any, Optional
@@ -140,7 +143,8 @@ class ZeroShardStrategy(DDPStrategy):
                 optimizer = None  # then the config's optimizer block builds it
             schedulers = list(self.lr_scheduler_configs)
         else:
-            # Nothing is trained: a stateless optimizer lets the engine shard and load weights.
+            # Nothing is trained: a stateless optimizer lets the engine shard and load weights
+            # (from a checkpoint too, which an engine without an optimizer cannot).
             for key in ("optimizer", "scheduler", "gradient_clipping"):
                 config.pop(key, None)
             params = [p for p in module.parameters() if p.requires_grad]
@@ -153,6 +157,15 @@ class ZeroShardStrategy(DDPStrategy):
         self.engine, self._trains = engine, fitting
         self.optimizers = [zero_optimizer] if fitting else []
         self.lr_scheduler_configs = schedulers
+
+    @contextlib.contextmanager
+    def model_sharded_context(self):
+        """Lightning builds `configure_model()`'s modules in here: under zeroshard.Init at stage 3,
+        so they are partitioned as they are built (a Hugging Face model loaded with
+        `zeroshard.integrations.hf.from_pretrained` streams its weights slice by slice)."""
+        stage = self.config.get("zero_optimization", {}).get("stage", 0)
+        with zeroshard.Init(config={"zero_optimization": {"stage": stage}}):
+            yield
 
     def teardown(self) -> None:
         """End a stage: the engine, its optimizer and the sharded model stay where they are."""

@@ -1,0 +1,88 @@
+"""Engines without an optimizer: `initialize(model=..., config=...)` with neither an optimizer nor
+an `optimizer` block (reference and reward models in RLHF, evaluation-only engines).
+
+The model is laid out and partitioned exactly as for training (same units, same stage-3 gathers
+around each forward), but nothing is kept for training: no fp32 master or optimizer state
+(`NoPlacement` holds nothing), and the gradient storage the stage policy sets up is given back
+before `initialize()` returns, so `memory_report()` shows 0 for grads and optimizer. `backward`
+and `step` are refused by the engine with an error saying why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+REFUSAL = ("this engine was built without an optimizer (initialize() got neither optimizer= nor "
+           "an \"optimizer\" config block), for inference only: it keeps no gradients or "
+           "optimizer state, so {what} is not possible. Pass an optimizer to initialize() to "
+           "train the model.")
+
+
+def placeholder_optimizer(params) -> torch.optim.Optimizer:
+    """An optimizer that only names the parameters to lay out (never stepped)."""
+    opt = torch.optim.SGD(params, lr=0.0)
+    opt._zeroshard_no_optimizer = True
+    return opt
+
+
+def is_placeholder(optimizer) -> bool:
+    """Whether `optimizer` is the stand-in of an engine without an optimizer."""
+    return getattr(optimizer, "_zeroshard_no_optimizer", False)
+
+
+class NoPlacement:
+    """The optimizer placement of an engine without an optimizer: no masters, no state."""
+
+    name = "device"
+
+    def __init__(self, units):
+        # One empty stand-in per unit: the placeholder's param groups point at these.
+        self.masters = [torch.nn.Parameter(torch.empty(0, device=unit.compute_device),
+                                           requires_grad=False) for unit in units]
+
+    def ledger(self) -> dict:
+        """Nothing held."""
+        return {}
+
+    def buffer_ledger(self) -> dict:
+        """Nothing held."""
+        return {}
+
+    def nvme_bytes(self) -> int:
+        """No swap files."""
+        return 0
+
+    def update_master(self, unit, start: int, end: int, values) -> None:
+        """No master to keep in step with a changed parameter."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def flush(self) -> None:
+        """Nothing to write."""
+
+    def _refuse(self, *_args, **_kwargs):
+        raise RuntimeError(REFUSAL.format(what="an optimizer step or optimizer state"))
+
+    sq_norm = step = drop_grads = tensors = install = _refuse
+
+
+def make_no_placement(optimizer, units, policy, compute_dtype) -> NoPlacement:
+    """`make_placement`'s signature, for an engine without an optimizer."""
+    return NoPlacement(units)
+
+
+def release_gradient_memory(zopt) -> None:
+    """Give back the gradient storage the stage policy allocated at setup (never used here)."""
+    policy = zopt.policy
+    if hasattr(policy, "grad_shards"):  # stages 2-3: persistent gradient shards
+        policy.grad_shards = {index: torch.empty(0, dtype=shard.dtype, device=shard.device)
+                              for index, shard in policy.grad_shards.items()}
+    if getattr(policy, "flat_grads", None):  # stages 0-1: whole gradients, viewed by .grad
+        for handle in policy.hooks:  # their only hooks re-attach .grad to those views
+            handle.remove()
+        policy.hooks.clear()
+        for unit in zopt.units:
+            for param in unit.params():
+                param.grad = None
+        policy.flat_grads = []

@@ -31,7 +31,10 @@ def _free_port() -> int:
 # fresh process image of that server, and gets the parent's environment as spawn would give it.
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.multiprocessing",
-                                 "zeroshard", "zeroshard.engine", "tests.harness", "tests.models"])
+                                 "zeroshard", "zeroshard.engine", "tests.harness", "tests.models",
+                                 # the Hugging Face tests' models (skipped where not installed)
+                                 "transformers.models.gpt2.modeling_gpt2",
+                                 "transformers.models.llama.modeling_llama"])
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, env: dict) -> None:

@@ -159,7 +159,8 @@ def _all(rank, world, save_dir):
         for timeout in (0, 300):
             out[f"count{stage}_{timeout}"] = _count_collectives(rank, world, stage, timeout)
     for stage in (2, 3):
-        out[f"save{stage}"] = _emergency_save(rank, world, stage, os.path.join(save_dir, str(stage)))
+        where = os.path.join(save_dir, str(stage))
+        out[f"save{stage}"] = _emergency_save(rank, world, stage, where)
         _fresh_group(rank, world, f"save{stage}")
     for kind in ("skip_block", "step_only", "busy"):
         out[kind] = _diverge(rank, world, kind)
@@ -268,3 +269,39 @@ def test_a_peer_that_exits_is_named(results):
     assert waited < TIMEOUT
     assert exited["exitcode"] == 0  # the rank then left normally, without hanging or aborting
 
+
+
+class _StuckWork:
+    """A work object that never completes (an NCCL kernel whose peer never arrives)."""
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        raise RuntimeError("aborted")
+
+
+class _FakeComm:
+    group, rank, world_size, composed, _ranks, watch = None, 0, 2, False, [0, 1], None
+
+
+def test_device_backend_poller_reports_without_blocking_the_host():
+    """The NCCL path's logic on one process: the poller thread diagnoses the stuck collective
+    (no rendezvous store here: the report says so), and the next call on the host raises."""
+    from zeroshard.core.desync import watch_collectives
+
+    watch = watch_collectives(_FakeComm(), 0.4)
+    assert watch.polled
+    ticket = watch.issued("all-gather", "unit 7 (blocks.3)")
+    watch.started([_StuckWork()], ticket)
+    deadline = time.monotonic() + 30
+    while watch.verdict is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watch.verdict is not None
+    assert "rank 0: waiting" in watch.verdict
+    assert "all-gather #1 of unit 7 (blocks.3)" in watch.verdict
+    assert "rank 1: not responding" in watch.verdict and "rendezvous store" in watch.verdict
+    with pytest.raises(zeroshard.DesyncError):
+        watch.issued("reduce-scatter")
+    with pytest.raises(zeroshard.DesyncError):
+        watch.wait([_StuckWork()], ticket)

@@ -17,9 +17,14 @@ carries. One rank per host makes every byte inter-host; one host, none.
 
 The split is a model, like the counts. gloo's all-reduce is such a ring, and on two simulated hosts
 of two ranks its bytes over each host's link were within 0.3% of the model. The all-gather and
-reduce-scatter that `Comm` composes on gloo (broadcasts, pairwise exchanges) cross hosts more often
-than a ring: training there sent 1.5x the model's inter-host bytes at stages 1-2 and 1.58x at
-stage 3 (tests/test_multihost.py).
+reduce-scatter that `Comm` composes on gloo (pairwise exchanges) cross hosts more often than a
+ring: training there sent 1.5x the model's inter-host bytes at stages 1-2 and 1.58x at stage 3
+(tests/test_multihost.py; measured with all-gathers made of broadcasts, which move the same bytes
+between the same ranks as the exchanges that replaced them).
+
+Desync watchdog hooks. Each collective takes a ticket from `self.watch` (set by `core/desync.py`;
+a local record, no communication) and is waited through it: on gloo with a deadline, on device
+backends through a poller thread. Without a watchdog (one rank, timeout 0) waits are plain.
 
 Strict host mode (`ZEROSHARD_STRICT_HOST=1`, on for the whole test suite): every tensor zeroshard
 places in host memory carries a mark on its storage (`core/hostmem.py` sets it), and a `Comm` on
@@ -285,11 +290,12 @@ class Comm:
     """Collectives over one process group, each one counted in the comm ledger.
 
     On gloo the tensor all-gather and reduce-scatter are slow generic paths (measured on 2 CPU
-    ranks: 3-8x an all-reduce of the same payload). So on gloo an all-gather is composed from N
-    broadcasts, and a reduce-scatter from direct exchanges: each rank sends every peer that
-    peer's slice and sums the N-1 slices it receives (at 16 M fp32 elements: 35 ms vs 45 ms for N
-    reduces and 37 ms for a whole all-reduce at N=2; 75 / 90 / 112 ms at N=4). The ledger
-    counts the collective's ring-model bytes either way.
+    ranks: 3-8x an all-reduce of the same payload). So on gloo both are composed from direct
+    exchanges. All-gather: each rank sends every peer its own slice (the same bytes as N
+    broadcasts). Reduce-scatter: each rank sends every peer that peer's slice and sums the N-1
+    slices it receives (at 16 M fp32 elements: 35 ms vs 45 ms for N reduces and 37 ms for a
+    whole all-reduce at N=2; 75 / 90 / 112 ms at N=4). Their point-to-point tags name the unit
+    (`next_tag`). The ledger counts the collective's ring-model bytes either way.
     """
 
     def __init__(self, group=None, host: bool = False):
@@ -310,7 +316,7 @@ class Comm:
         #: The desync watchdog (`core/desync.py` attaches it; None: collectives wait plainly).
         self.watch = None
 
-    # -- the watchdog's hooks: a local record per collective, a deadline on each wait ---------------
+    # -- the watchdog's hooks: a local record per collective, a deadline on each wait -----------
     def _ticket(self, kind: str, unit):
         return None if self.watch is None else self.watch.issued(kind, unit)
 

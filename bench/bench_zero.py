@@ -131,6 +131,8 @@ def zero_config(args, stage: int, for_deepspeed: bool) -> dict:
         zero.update(SIZES[args.size]["stage3"])
     if offloaded(args.impl):
         zero["offload_optimizer"] = {"device": "cpu"}
+    if not for_deepspeed and args.desync == "off":
+        zero["zeroshard_desync_timeout"] = 0
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -248,6 +250,37 @@ def collective_counter(world: int):
 # --------------------------------------------------------------------------------------------------
 
 
+def per_unit_guard(comm) -> None:
+    """The desync check zeroshard had before its watchdog, for comparison (`--desync per-unit`):
+    before every stage-3 unit all-gather and reduce-scatter, a blocking 24-byte tag all-gather on
+    a side gloo group, compared on the host."""
+    import torch
+    import torch.distributed as dist
+
+    from zeroshard.comm import _ALL_GATHER
+
+    group = dist.new_group(backend="gloo")
+    count = [0]
+
+    def check(kind: int, unit) -> None:
+        count[0] += 1
+        mine = torch.tensor([kind, getattr(unit, "index", -1), count[0]], dtype=torch.int64)
+        every = torch.empty(3 * comm.world_size, dtype=torch.int64)
+        _ALL_GATHER(every, mine, group=group)
+        rows = every.view(comm.world_size, 3).tolist()
+        if any(row != rows[0] for row in rows):
+            raise RuntimeError(f"desynchronised: {rows}")
+
+    for kind, name in enumerate(("all_gather", "reduce_scatter")):
+        plain = getattr(comm, name)
+
+        def guarded(*args, _plain=plain, _kind=kind, unit=None, **kwargs):
+            check(_kind, unit)
+            return _plain(*args, unit=unit, **kwargs)
+
+        setattr(comm, name, guarded)
+
+
 def _rss_now_mib() -> float:
     import psutil
 
@@ -344,6 +377,8 @@ def worker(args) -> None:
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
         engine, _, _, _ = zeroshard.initialize(model=model, optimizer=opt, config=cfg)
+        if args.desync == "per-unit" and stage == 3:
+            per_unit_guard(engine.comm)
 
     else:  # pragma: no cover - guarded by argparse choices
         raise ValueError(args.impl)
@@ -501,7 +536,7 @@ def launch(args, size: str, plan: dict, impl: str, rnd: int, run_dir: Path):
         "--steps", str(plan["steps"]), "--warmup", str(plan["warmup"]), "--bucket", str(args.bucket),
         "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
         "--seed", str(args.seed), "--threads", str(args.threads),
-        "--zeroshard-optimizer", args.zeroshard_optimizer,
+        "--zeroshard-optimizer", args.zeroshard_optimizer, "--desync", args.desync,
     ] + (["--no-comm-count"] if args.no_comm_count else [])  # fmt: skip
     env = dict(os.environ)
     env["DS_ACCELERATOR"] = "cpu"
@@ -941,6 +976,11 @@ def parse_args(argv=None):
     p.add_argument("--loss-rtol", type=float, default=5e-3)
     p.add_argument("--zeroshard-optimizer", choices=["instance", "config"], default="instance",
                    help="pass zeroshard a torch AdamW instance, or the DeepSpeed-style optimizer config")
+    p.add_argument("--desync", choices=["watchdog", "off", "per-unit"], default="watchdog",
+                   help="zeroshard's desync detection: the watchdog (default, free in steady "
+                        "state), off (zeroshard_desync_timeout=0), or per-unit: the check before "
+                        "the watchdog, a blocking tag all-gather before every stage-3 unit "
+                        "collective (emulated here, for comparison)")
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                    help="before each job, wait up to this long until other processes use < 0.5 core")
     p.add_argument("--no-comm-count", action="store_true",

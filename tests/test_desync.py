@@ -1,23 +1,35 @@
-"""Ranks that take different paths at stage 3 get a readable DesyncError, quickly, on every rank.
+"""The desync watchdog: a stuck or failed collective becomes a DesyncError naming every rank's
+operation, on every live rank, within the timeout; in steady state it adds no collective.
 
-Three ways to desynchronise, in one world of 2 ranks: rank 1 skips a block in one forward (the
-gathers differ), rank 1 steps without running the micro-step (a step meets a gather), and rank 1
-leaves the stage-3 path altogether (rank 0 times out after `zeroshard_desync_timeout` seconds).
+One world of 2 ranks runs every case (after each desync the ranks start a fresh default group
+over the same rendezvous store, since the old one is left unusable on purpose). A second world,
+started alongside, has a rank that really exits. Cases: rank 0 catches an exception and calls
+save_checkpoint while rank 1 is in backward (stages 2 and 3); rank 1 skips a block in one forward;
+rank 1 steps without its micro-step; rank 1 is busy outside any collective; and the number of
+torch.distributed collectives per micro-step with the watchdog on and off.
 """
 
 from __future__ import annotations
 
-import re
+import datetime
+import os
+import pickle
+import tempfile
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import zeroshard
-from tests.harness import run_world
+from tests.harness import _free_port, run_world
 from tests.models import TinyLM, lm_loss, make_batches, micro_slice
 
-TIMEOUT = 5
+TIMEOUT = 3  # zeroshard_desync_timeout of the desync cases (seconds)
+COLLECTIVES = ("broadcast", "all_reduce", "batch_isend_irecv", "barrier", "all_to_all_single",
+               "all_gather_object", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter_tensor", "reduce_scatter_single", "send", "recv")
 
 
 class SkippingLM(TinyLM):
@@ -33,22 +45,53 @@ class SkippingLM(TinyLM):
         return self.head(h)
 
 
-def _engine():
+def _engine(stage: int, timeout: float = TIMEOUT):
     torch.manual_seed(0)
     model = SkippingLM()
-    config = {"train_micro_batch_size_per_gpu": 2,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "zeroshard_desync_timeout": TIMEOUT}}
+    zero = {"stage": stage, "zeroshard_desync_timeout": timeout}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
     engine, _, _, _ = zeroshard.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     return engine, model
 
 
-def _scenario(rank, world, kind):
-    engine, model = _engine()
-    batches = make_batches(3, 2 * world)
+def _outcome(run) -> dict:
+    """{"error": DesyncError text or None, "seconds": time until it was raised}."""
     start = time.monotonic()
     try:
+        run()
+    except zeroshard.DesyncError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def _emergency_save(rank, world, stage, save_dir):
+    engine, _ = _engine(stage)
+    batches = make_batches(2, 2 * world)
+
+    def run():
+        for step, batch in enumerate(batches):
+            tokens, targets = micro_slice(batch, 0, rank, world, 2)
+            if step == 1 and rank == 0:
+                try:
+                    engine(tokens)
+                    raise ValueError("a bad batch on rank 0 only")
+                except ValueError:
+                    engine.save_checkpoint(save_dir, tag="emergency")
+                    return
+            engine.backward(lm_loss(engine(tokens), targets))
+            engine.step()
+
+    return _outcome(run)
+
+
+def _diverge(rank, world, kind):
+    engine, model = _engine(3)
+    batches = make_batches(3, 2 * world)
+
+    def run():
         for step, batch in enumerate(batches):
             tokens, targets = micro_slice(batch, 0, rank, world, 2)
             diverge = step == 1 and rank == 1
@@ -57,48 +100,208 @@ def _scenario(rank, world, kind):
             elif kind == "step_only" and diverge:
                 engine.step()
                 continue
-            elif kind == "leave" and diverge:
-                time.sleep(TIMEOUT + 3)  # does nothing collective; rank 0 must time out
-                return {"error": None, "seconds": time.monotonic() - start}
+            elif kind == "busy" and diverge:
+                time.sleep(2 * TIMEOUT + 1)  # nothing collective; rank 0 must give up on it
+                return
             engine.backward(lm_loss(engine(tokens), targets))
             engine.step()
-    except zeroshard.DesyncError as err:
-        return {"error": str(err), "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
+
+    return _outcome(run)
 
 
-def _all(rank, world):
-    return {kind: _scenario(rank, world, kind) for kind in ("skip_block", "step_only", "leave")}
+def _count_collectives(rank, world, stage, timeout):
+    """torch.distributed calls in one micro-step (forward + backward) and in one step()."""
+    engine, _ = _engine(stage, timeout)
+    tokens, targets = micro_slice(make_batches(1, 2 * world)[0], 0, rank, world, 2)
+    calls = {"n": 0}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    import zeroshard.comm as comm_module
+
+    saved = (comm_module._ALL_GATHER, comm_module._REDUCE_SCATTER)
+    for name, fn in originals.items():
+        setattr(dist, name, counting(fn))
+    comm_module._ALL_GATHER, comm_module._REDUCE_SCATTER = (counting(f) for f in saved)
+    try:
+        engine.backward(lm_loss(engine(tokens), targets))  # warm-up: records the schedule
+        engine.step()
+        calls["n"] = 0
+        engine.backward(lm_loss(engine(tokens), targets))
+        micro = calls["n"]
+        calls["n"] = 0
+        engine.step()
+        step = calls["n"]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        comm_module._ALL_GATHER, comm_module._REDUCE_SCATTER = saved
+    return {"micro": micro, "step": step, "watched": engine.comm.watch is not None}
+
+
+def _fresh_group(rank, world, name):
+    """A new default group over the same store (the old one is left unusable after a desync)."""
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            store=dist.PrefixStore(name, store),
+                            timeout=datetime.timedelta(seconds=120))
+
+
+def _all(rank, world, save_dir):
+    out = {}
+    for stage in (2, 3):
+        for timeout in (0, 300):
+            out[f"count{stage}_{timeout}"] = _count_collectives(rank, world, stage, timeout)
+    for stage in (2, 3):
+        where = os.path.join(save_dir, str(stage))
+        out[f"save{stage}"] = _emergency_save(rank, world, stage, where)
+        _fresh_group(rank, world, f"save{stage}")
+    for kind in ("skip_block", "step_only", "busy"):
+        out[kind] = _diverge(rank, world, kind)
+        _fresh_group(rank, world, kind)
+    return out
+
+
+# -- a world whose rank 1 exits ------------------------------------------------------------------
+
+def _exit_entry(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), ZEROSHARD_QUIET="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    tokens, targets = micro_slice(make_batches(1, 2 * world)[0], 0, rank, world, 2)
+
+    def run():
+        engine, _ = _engine(2)
+        if rank == 1:
+            os._exit(3)  # a crash: no exception, no report, connections closed by the kernel
+        engine.backward(lm_loss(engine(tokens), targets))
+
+    result = _outcome(run)
+    with open(os.path.join(out_dir, "rank0.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+    # Then leave the ordinary way (atexit, interpreter finalization) with the failed group still
+    # there: this must neither hang nor abort.
 
 
 @pytest.fixture(scope="module")
 def results():
-    """Per-rank outcome of each scenario."""
-    start = time.monotonic()
-    out = run_world(2, _all)
-    return out, time.monotonic() - start
+    """Per-rank outcome of each case, and rank 0's outcome when its peer exits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exit_world = mp.start_processes(_exit_entry, args=(2, _free_port(), tmp), nprocs=2,
+                                         join=False, start_method="spawn")
+        start = time.monotonic()
+        out = run_world(2, _all, tmp)
+        elapsed = time.monotonic() - start
+        deadline = time.monotonic() + 60  # rank 1 exits with code 3 on purpose: no join()
+        while any(p.is_alive() for p in exit_world.processes) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for proc in exit_world.processes:
+            if proc.is_alive():
+                proc.kill()
+        path = os.path.join(tmp, "rank0.pkl")
+        exited = pickle.load(open(path, "rb")) if os.path.exists(path) else None
+        if exited is not None:
+            exited["exitcode"] = exit_world.processes[0].exitcode
+    return out, elapsed, exited
 
 
-def test_whole_run_finishes_well_within_a_minute(results):
-    assert results[1] < 60
+@pytest.mark.parametrize("stage", [2, 3])
+def test_watchdog_adds_no_collective(results, stage):
+    for got in results[0]:
+        off, on = got[f"count{stage}_0"], got[f"count{stage}_300"]
+        assert on["watched"] and not off["watched"]
+        assert on["micro"] == off["micro"] > 0
+        assert on["step"] == off["step"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_emergency_save_names_both_ranks_operations(results, stage):
+    for rank, got in enumerate(results[0]):
+        message = got[f"save{stage}"]["error"]
+        assert message is not None, f"rank {rank} did not detect the desync at stage {stage}"
+        assert "desynchronised" in message
+        # Rank 0 is in save_checkpoint, rank 1 in backward (its gradients' reduce-scatter).
+        zero, one = message.split("rank 0: ", 1)[1].split("; rank 1: ", 1)
+        assert "in save_checkpoint" in zero and "all-gather of objects" in zero, message
+        assert "reduce-scatter" in one and "in backward" in one, message
+        # Detected by the watchdog, not by torch's process-group timeout (120 s here).
+        assert got[f"save{stage}"]["seconds"] < 2 * TIMEOUT + 10
+
+
+def test_true_waiting_time_is_reported(results):
+    message = results[0][0]["save2"]["error"]
+    waited = float(message.split("rank 0: waiting ", 1)[1].split("s for", 1)[0])
+    assert TIMEOUT <= waited < TIMEOUT + 5
 
 
 @pytest.mark.parametrize("kind", ["skip_block", "step_only"])
-def test_every_rank_names_both_ranks_and_what_they_did(results, kind):
+def test_diverging_paths_give_a_readable_error(results, kind):
     for rank, got in enumerate(results[0]):
         message = got[kind]["error"]
         assert message is not None, f"rank {rank} did not detect the desync"
-        assert "desynchronised" in message and "rank 0:" in message and "rank 1:" in message
-        assert got[kind]["seconds"] < TIMEOUT  # detected by comparison, not by waiting
-    if kind == "skip_block":
-        # With prefetch both ranks gather block2; the paths part at its reduce-scatter.
-        # (The unit's number depends on how the parameters outside the blocks are split.)
-        assert re.search(r"reduce-scatter of unit \d+ \(block2", results[0][0][kind]["error"])
-    else:
-        assert "optimizer step" in results[0][0][kind]["error"]
+        assert "desynchronised" in message and "rank 0: " in message and "rank 1: " in message
+    if kind == "step_only":
+        assert "in optimizer step" in results[0][0][kind]["error"].split("rank 1: ", 1)[1]
 
 
-def test_a_rank_that_never_arrives_times_out_with_a_message(results):
-    message = results[0][0]["leave"]["error"]
-    assert message is not None and f"waited {TIMEOUT}s" in message
-    assert "never reached a stage-3 collective" in message
+def test_a_busy_peer_is_named_not_responding(results):
+    message = results[0][0]["busy"]["error"]
+    assert message is not None and "no collective completed within" in message
+    assert "rank 1: not responding" in message
+    assert "rank 0: waiting" in message
+
+
+def test_a_peer_that_exits_is_named(results):
+    exited = results[2]
+    assert exited is not None, "rank 0 of the exit world wrote no result"
+    message = exited["error"]
+    assert message is not None and "rank 1: not responding" in message
+    # The collective failed as soon as the peer's connection closed: the true time is reported.
+    waited = float(message.split("collective failed after ", 1)[1].split("s:", 1)[0])
+    assert waited < TIMEOUT
+    assert exited["exitcode"] == 0  # the rank then left normally, without hanging or aborting
+
+
+
+class _StuckWork:
+    """A work object that never completes (an NCCL kernel whose peer never arrives)."""
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        raise RuntimeError("aborted")
+
+
+class _FakeComm:
+    group, rank, world_size, composed, _ranks, watch = None, 0, 2, False, [0, 1], None
+
+
+def test_device_backend_poller_reports_without_blocking_the_host():
+    """The NCCL path's logic on one process: the poller thread diagnoses the stuck collective
+    (no rendezvous store here: the report says so), and the next call on the host raises."""
+    from zeroshard.core.desync import watch_collectives
+
+    watch = watch_collectives(_FakeComm(), 0.4)
+    assert watch.polled
+    ticket = watch.issued("all-gather", "unit 7 (blocks.3)")
+    watch.started([_StuckWork()], ticket)
+    deadline = time.monotonic() + 30
+    while watch.verdict is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watch.verdict is not None
+    assert "rank 0: waiting" in watch.verdict
+    assert "all-gather #1 of unit 7 (blocks.3)" in watch.verdict
+    assert "rank 1: not responding" in watch.verdict and "rendezvous store" in watch.verdict
+    with pytest.raises(zeroshard.DesyncError):
+        watch.issued("reduce-scatter")
+    with pytest.raises(zeroshard.DesyncError):
+        watch.wait([_StuckWork()], ticket)

@@ -17,9 +17,14 @@ carries. One rank per host makes every byte inter-host; one host, none.
 
 The split is a model, like the counts. gloo's all-reduce is such a ring, and on two simulated hosts
 of two ranks its bytes over each host's link were within 0.3% of the model. The all-gather and
-reduce-scatter that `Comm` composes on gloo (broadcasts, pairwise exchanges) cross hosts more often
-than a ring: training there sent 1.5x the model's inter-host bytes at stages 1-2 and 1.58x at
-stage 3 (tests/test_multihost.py).
+reduce-scatter that `Comm` composes on gloo (pairwise exchanges) cross hosts more often than a
+ring: training there sent 1.5x the model's inter-host bytes at stages 1-2 and 1.58x at stage 3
+(tests/test_multihost.py; measured with all-gathers made of broadcasts, which move the same bytes
+between the same ranks as the exchanges that replaced them).
+
+Desync watchdog hooks. Each collective takes a ticket from `self.watch` (set by `core/desync.py`;
+a local record, no communication) and is waited through it: on gloo with a deadline, on device
+backends through a poller thread. Without a watchdog (one rank, timeout 0) waits are plain.
 
 Strict host mode (`ZEROSHARD_STRICT_HOST=1`, on for the whole test suite): every tensor zeroshard
 places in host memory carries a mark on its storage (`core/hostmem.py` sets it), and a `Comm` on
@@ -32,8 +37,10 @@ tensor reaching an NCCL collective is still an error. Side groups created for ho
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
+import pickle
 import sys
 import warnings
 from collections import defaultdict
@@ -44,6 +51,9 @@ import torch.distributed as dist
 # torch >= 2.13 renamed the tensor collectives; older releases only have the *_tensor names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Kinds of point-to-point exchange, in bit 30 of their tags (Comm.next_tag).
+_REDUCE_SCATTER_TAG, _ALL_GATHER_TAG = 0, 1
 
 #: Environment switch of strict host mode ("1" on).
 STRICT_HOST_ENV = "ZEROSHARD_STRICT_HOST"
@@ -230,38 +240,30 @@ def wait_all(handles) -> None:
             handle.wait()
 
 
-class _Handles:
-    """Several async collectives waited for as one."""
+class _Watched:
+    """One collective's work objects, waited through the Comm (and its watchdog, if any)."""
 
-    def __init__(self, handles):
-        self.handles = [h for h in handles if h is not None]
-
-    def wait(self) -> None:
-        """Block until every collective has finished."""
-        wait_all(self.handles)
-        self.handles = []
-
-
-class _CopyOnWait:
-    """The last step of a native reduce-scatter: copy the received slice into place."""
-
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
-        self.dst, self.src = dst, src
+    def __init__(self, comm: "Comm", works, ticket, then=None):
+        self.comm, self.works, self.ticket, self.then = comm, works, ticket, then
 
     def wait(self) -> None:
-        """Copy the result into place."""
-        self.dst.copy_(self.src)
+        """Block until the collective has finished (then run its last local step, if any)."""
+        if self.works:
+            self.comm._wait(self.works, self.ticket)
+            self.works = []  # drop gloo work objects now: one outliving its group aborts at exit
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 class _ExchangeReduceScatter:
     """A reduce-scatter from point-to-point exchanges: send peers their slices, sum what arrives."""
 
-    def __init__(self, comm: "Comm", full: torch.Tensor):
+    def __init__(self, comm: "Comm", full: torch.Tensor, ticket, unit=None):
         slots = full.chunk(comm.world_size)
+        self.comm, self.ticket = comm, ticket
         self.own = slots[comm.rank]
-        # Every rank issues its reduce-scatters in the same order, so a counter is a shared tag
-        # that keeps two in-flight exchanges between the same pair of ranks apart.
-        tag = comm.next_tag()
+        tag = comm.next_tag(unit, _REDUCE_SCATTER_TAG)
         self.received, ops = [], []
         for peer in range(comm.world_size):
             if peer == comm.rank:
@@ -271,11 +273,12 @@ class _ExchangeReduceScatter:
             ops.append(dist.P2POp(dist.isend, slots[peer], comm._ranks[peer], comm.group, tag))
             ops.append(dist.P2POp(dist.irecv, incoming, comm._ranks[peer], comm.group, tag))
         self.requests = dist.batch_isend_irecv(ops)
+        comm._started(self.requests, ticket)
 
     def wait(self) -> None:
         """Wait for the exchanges and add what arrived into this rank's own slice."""
-        for request in self.requests:
-            request.wait()
+        if self.requests:
+            self.comm._wait(self.requests, self.ticket)
         # Drop the gloo work objects now: one outliving its process group aborts at exit.
         self.requests = []
         for incoming in self.received:
@@ -287,11 +290,12 @@ class Comm:
     """Collectives over one process group, each one counted in the comm ledger.
 
     On gloo the tensor all-gather and reduce-scatter are slow generic paths (measured on 2 CPU
-    ranks: 3-8x an all-reduce of the same payload). So on gloo an all-gather is composed from N
-    broadcasts, and a reduce-scatter from direct exchanges: each rank sends every peer that
-    peer's slice and sums the N-1 slices it receives (at 16 M fp32 elements: 35 ms vs 45 ms for N
-    reduces and 37 ms for a whole all-reduce at N=2; 75 / 90 / 112 ms at N=4). The ledger
-    counts the collective's ring-model bytes either way.
+    ranks: 3-8x an all-reduce of the same payload). So on gloo both are composed from direct
+    exchanges. All-gather: each rank sends every peer its own slice (the same bytes as N
+    broadcasts). Reduce-scatter: each rank sends every peer that peer's slice and sums the N-1
+    slices it receives (at 16 M fp32 elements: 35 ms vs 45 ms for N reduces and 37 ms for a
+    whole all-reduce at N=2; 75 / 90 / 112 ms at N=4). Their point-to-point tags name the unit
+    (`next_tag`). The ledger counts the collective's ring-model bytes either way.
     """
 
     def __init__(self, group=None, host: bool = False):
@@ -309,11 +313,56 @@ class Comm:
         self.layout = HostLayout.from_env(dist.get_world_size())
         self.crossing_share = self.layout.crossing_share(self._ranks)
         self._tag = 0
+        #: The desync watchdog (`core/desync.py` attaches it; None: collectives wait plainly).
+        self.watch = None
 
-    def next_tag(self) -> int:
-        """A message tag that every rank draws in the same order."""
-        self._tag = (self._tag + 1) % (1 << 20)
-        return self._tag
+    # -- the watchdog's hooks: a local record per collective, a deadline on each wait -----------
+    def _ticket(self, kind: str, unit):
+        return None if self.watch is None else self.watch.issued(kind, unit)
+
+    def _started(self, works, ticket) -> None:
+        if ticket is not None:
+            self.watch.started(works, ticket)
+
+    def _wait(self, works, ticket) -> None:
+        if ticket is None:
+            for work in works:
+                work.wait()
+        else:
+            self.watch.wait(works, ticket)
+
+    def _run(self, kind: str, unit, issue, async_op: bool = False):
+        """Issue one collective (`issue()` returns its work objects); wait unless `async_op`."""
+        ticket = self._ticket(kind, unit)
+        works = [w for w in issue() if w is not None]
+        self._started(works, ticket)
+        handle = _Watched(self, works, ticket)
+        return handle if async_op else handle.wait()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label the collectives issued inside (e.g. "save_checkpoint") in desync reports."""
+        watch = self.watch
+        if watch is None:
+            yield
+            return
+        outer, watch.phase = watch.phase, name
+        try:
+            yield
+        finally:
+            watch.phase = outer
+
+    def next_tag(self, unit=None, kind: int = 0) -> int:
+        """A point-to-point message tag that every rank draws in the same order.
+
+        It packs a running count (keeps two in-flight exchanges between the same pair of ranks
+        apart), the unit's index and the kind of exchange. When ranks disagree on the next
+        collective, their messages then carry different tags and never pair up: they wait (and
+        the desync watchdog reports it) instead of exchanging the wrong unit's bytes, or
+        aborting the process inside gloo when the sizes differ.
+        """
+        self._tag = (self._tag + 1) % (1 << 18)
+        return (kind << 30) | (self._tag << 12) | (getattr(unit, "index", 4095) % 4096)
 
     def _refuse_host(self, kind: str, *tensors: torch.Tensor) -> None:
         """Strict host mode: raise HostMemoryError if a tensor lives in host memory."""
@@ -331,16 +380,19 @@ class Comm:
         self.bytes[kind] += moved
         self.inter_host_bytes[kind] += int(round(moved * self.crossing_share))
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
-        """Sum (or `op`) `tensor` in place across ranks."""
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   unit=None):
+        """Sum (or `op`) `tensor` in place across ranks (`unit`: named in desync reports)."""
         if self.strict:
             self._refuse_host("all_reduce", tensor)
         self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
         if self.world_size == 1:
             return None
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return self._run("all-reduce", unit, lambda: [
+            dist.all_reduce(tensor, op=op, group=self.group, async_op=True)], async_op)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                   unit=None):
         """Gather every rank's `shard` into `output` (rank order); `shard` may alias its own slot."""
         if self.strict:
             self._refuse_host("all_gather", output, shard)
@@ -349,20 +401,29 @@ class Comm:
             if shard.data_ptr() != output.data_ptr():
                 output.copy_(shard)
             return None
-        if not self.composed:
-            return _ALL_GATHER(output, shard, group=self.group, async_op=async_op)
-        slots = output.chunk(self.world_size)
-        if shard.data_ptr() != slots[self.rank].data_ptr():
-            slots[self.rank].copy_(shard)
-        handles = _Handles(dist.broadcast(slot, src=self._ranks[r], group=self.group, async_op=True)
-                           for r, slot in enumerate(slots))
-        return handles if async_op else handles.wait()
+        return self._run("all-gather", unit,
+                         lambda: self._issue_all_gather(output, shard, unit), async_op)
 
-    def reduce_scatter(self, full: torch.Tensor, async_op: bool = False):
+    def _issue_all_gather(self, output: torch.Tensor, shard: torch.Tensor, unit=None) -> list:
+        if not self.composed:
+            return [_ALL_GATHER(output, shard, group=self.group, async_op=True)]
+        slots = output.chunk(self.world_size)
+        own = slots[self.rank]
+        if shard.data_ptr() != own.data_ptr():
+            own.copy_(shard)
+        tag = self.next_tag(unit, _ALL_GATHER_TAG)
+        ops = []
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                ops.append(dist.P2POp(dist.isend, own, self._ranks[peer], self.group, tag))
+                ops.append(dist.P2POp(dist.irecv, slots[peer], self._ranks[peer], self.group, tag))
+        return dist.batch_isend_irecv(ops)
+
+    def reduce_scatter(self, full: torch.Tensor, async_op: bool = False, unit=None):
         """Sum `full` across ranks into this rank's own contiguous 1/N slice of `full`, in place.
 
         The rest of `full` is left unspecified. Reducing in place spares a shard-sized output
-        buffer per collective in flight.
+        buffer per collective in flight. `unit` is named in desync reports.
         """
         if self.strict:
             self._refuse_host("reduce_scatter", full)
@@ -370,21 +431,25 @@ class Comm:
         if self.world_size == 1:
             return None
         own = full.chunk(self.world_size)[self.rank]
+        ticket = self._ticket("reduce-scatter", unit)
         if not self.composed:
             out = torch.empty_like(own)
-            handle = _REDUCE_SCATTER(out, full, group=self.group, async_op=True)
-            handle = _Handles([handle, _CopyOnWait(own, out)])
+            works = [_REDUCE_SCATTER(out, full, group=self.group, async_op=True)]
+            self._started(works, ticket)
+            # The last step of a native reduce-scatter: copy the received slice into place.
+            handle = _Watched(self, works, ticket, then=lambda: own.copy_(out))
         else:
-            handle = _ExchangeReduceScatter(self, full)
+            handle = _ExchangeReduceScatter(self, full, ticket, unit)
         return handle if async_op else handle.wait()
 
-    def broadcast(self, tensor: torch.Tensor, src: int):
+    def broadcast(self, tensor: torch.Tensor, src: int, unit=None):
         """Copy `tensor` from rank `src` (of this group) to every rank."""
         if self.strict:
             self._refuse_host("broadcast", tensor)
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
         if self.world_size > 1:
-            dist.broadcast(tensor, src=self._ranks[src], group=self.group)
+            self._run("broadcast", unit, lambda: [
+                dist.broadcast(tensor, src=self._ranks[src], group=self.group, async_op=True)])
 
     def all_to_all(self, received: torch.Tensor, send: torch.Tensor, received_splits: list[int],
                    send_splits: list[int]) -> None:
@@ -402,12 +467,13 @@ class Comm:
         if self.world_size == 1:
             received.copy_(send)
             return
-        dist.all_to_all_single(received, send, received_splits, send_splits, group=self.group)
+        self._run("all-to-all", None, lambda: [dist.all_to_all_single(
+            received, send, received_splits, send_splits, group=self.group, async_op=True)])
 
     def barrier(self) -> None:
         """Wait for every rank."""
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._run("barrier", None, lambda: [dist.barrier(group=self.group, async_op=True)])
 
     def report(self) -> dict[str, int]:
         """Cumulative bytes moved by this rank per collective kind, "total", and its host split.
@@ -431,9 +497,25 @@ class Comm:
         """Every rank's picklable `obj`, in rank order (small control messages; not in the ledger)."""
         if self.world_size == 1:
             return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        if self.watch is None:
+            out = [None] * self.world_size
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        # Watched: torch's version waits inside, out of the watchdog's reach. Same two
+        # collectives (sizes, then the padded bytes), each waited with a deadline.
+        device = torch.device("cpu") if self.composed else \
+            torch.device("cuda", torch.cuda.current_device())
+        mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        self._run("all-gather of objects", None, lambda: self._issue_all_gather(
+            sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device)))
+        sizes = sizes.tolist()
+        padded = torch.zeros(max(sizes) * self.world_size, dtype=torch.uint8, device=device)
+        own = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        own[:mine.numel()] = mine
+        self._run("all-gather of objects", None, lambda: self._issue_all_gather(padded, own))
+        rows = padded.cpu().view(self.world_size, -1)
+        return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
 
 
 # -- DeepSpeed's `deepspeed.comm` names (module-level, on the default process group) ---------------

@@ -20,6 +20,7 @@ from torch import nn
 from .comm import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
 from .config.schema import ZeroConfig, load_config, read_raw, require_supported
+from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.no_optimizer import (REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer,
                                 release_gradient_memory)
@@ -134,11 +135,13 @@ class Engine(nn.Module):
         if self.compute_dtype is not None:
             args = tuple(_cast(a, self.compute_dtype) for a in args)
             kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
-        if self.autocast_dtype is None:
-            return self.module(*args, **kwargs)
-        # The config's torch_autocast (DeepSpeed's): it also replaces an autocast the caller opened.
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            return self.module(*args, **kwargs)
+        with self.comm.phase("forward"):
+            if self.autocast_dtype is None:
+                return self.module(*args, **kwargs)
+            # The config's torch_autocast (DeepSpeed's): it also replaces an autocast the caller
+            # opened.
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss` scaled by the fp16 loss scale and 1/accumulation steps."""
@@ -149,7 +152,8 @@ class Engine(nn.Module):
         if self.inference_only:
             raise RuntimeError(REFUSAL.format(what="engine.backward"))
         scale = self.scaler.scale / self.gradient_accumulation_steps()
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        with self.comm.phase("backward"):
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
@@ -166,7 +170,8 @@ class Engine(nn.Module):
             return
         applied = False
         try:
-            applied = self.optimizer.step()
+            with self.comm.phase("optimizer step"):
+                applied = self.optimizer.step()
         finally:
             if applied:
                 if self.lr_scheduler is not None:
@@ -226,8 +231,9 @@ class Engine(nn.Module):
         """Write a sharded checkpoint (every rank calls it); any world size and stage can load it."""
         from .checkpoint.sharded import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                               exclude_frozen=exclude_frozen_parameters)
+        with self.comm.phase("save_checkpoint"):
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                   exclude_frozen=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -236,8 +242,9 @@ class Engine(nn.Module):
         `(None, None)` when `load_dir` has no `latest` and no tag was given."""
         from .checkpoint.sharded import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        with self.comm.phase("load_checkpoint"):
+            return load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                   load_lr_scheduler_states, load_module_only)
 
     def gathered_model(self):
         """Context with every parameter whole on every rank (stage 3), e.g. around a generation loop.
@@ -390,6 +397,7 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
                               loader_batch=loader_batch, known=known)
     cfg = source if isinstance(source, ZeroConfig) else load_config(source, comm.world_size)
     require_supported(cfg)
+    watch_collectives(comm, cfg.zero_optimization.zeroshard_desync_timeout)
     device = default_device()
     dtype = _compute_dtype(cfg)
     torch_opt = _make_optimizer(optimizer, model_parameters, model, cfg)
@@ -421,7 +429,6 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                              prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
                              max_live_parameters=zero.stage3_max_live_parameters,
                              max_reuse_distance=zero.stage3_max_reuse_distance,
-                             desync_timeout=zero.zeroshard_desync_timeout,
                              make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
                                                           rank=comm.rank)),
                          persistence_threshold=zero.stage3_param_persistence_threshold,

@@ -282,8 +282,9 @@ class ZeroOptimizationConfig(_Block):
     """zeroshard only: module class names (e.g. ["GPT2Block"]) whose instances each become one
     stage-3 unit, gathered and released together; None picks every repeating module class."""
     zeroshard_desync_timeout: Annotated[float, Field(ge=0)] = 300.0
-    """zeroshard only: seconds a stage-3 rank waits for its peers before each collective before
-    raising DesyncError (ranks taking different paths); 0 turns the check off."""
+    """zeroshard only, every stage: seconds a collective may wait before the desync watchdog
+    finds out where every rank is and raises DesyncError on each (ranks taking different paths,
+    a crashed peer); 0 turns the watchdog off (torch's process-group timeout then applies)."""
 
     @model_validator(mode="after")
     def _legacy_cpu_offload(self):

@@ -103,7 +103,8 @@ class StagePolicy:
         handles = []
         for unit in self.units:
             lo, hi = unit.shard_bounds(self.comm.rank)
-            handles.append(self.comm.all_gather(unit.flat, unit.flat[lo:hi], async_op=True))
+            handles.append(self.comm.all_gather(unit.flat, unit.flat[lo:hi], async_op=True,
+                                                unit=unit))
         wait_all(handles)
 
     def zero_grad(self) -> None:

@@ -23,7 +23,8 @@ class Stage0(StagePolicy):
 
     def reduce_gradients(self) -> None:
         """All-reduce every unit's full gradient buffer and average it."""
-        handles = [self.comm.all_reduce(flat, async_op=True) for flat in self.flat_grads]
+        handles = [self.comm.all_reduce(flat, async_op=True, unit=unit)
+                   for unit, flat in zip(self.units, self.flat_grads)]
         wait_all(handles)
         if self.comm.world_size > 1:
             for flat in self.flat_grads:

@@ -27,7 +27,8 @@ class Stage1(StagePolicy):
         """Reduce-scatter each unit's gradients and leave the average in this rank's slice."""
         pending = deque()
         for unit, flat in zip(self.units, self.flat_grads):
-            pending.append((unit, flat, self.comm.reduce_scatter(flat, async_op=True)))
+            pending.append((unit, flat, self.comm.reduce_scatter(flat, async_op=True,
+                                                                   unit=unit)))
             while len(pending) > (MAX_IN_FLIGHT if self.overlap else 0):
                 self._land(*pending.popleft())
         while pending:

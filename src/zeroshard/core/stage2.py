@@ -152,7 +152,7 @@ class Stage2(StagePolicy):
         del self.buffers[unit.index]
         self._seal(unit, buffer)
         self.launched.add(unit.index)
-        handle = self.comm.reduce_scatter(buffer, async_op=True)
+        handle = self.comm.reduce_scatter(buffer, async_op=True, unit=unit)
         self.in_flight.append((unit, buffer, handle))
         while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
             self._land()

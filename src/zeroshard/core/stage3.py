@@ -6,8 +6,8 @@ views of it that autograd saved in forward see the data again once it is refille
 parameters hold empty tensors (real sizes in `ds_shape` / `ds_numel`; names are unchanged). Small parameters (below `stage3_param_persistence_threshold` elements) stay
 whole on every rank and follow stage 2.
 
-Communication plan, per micro-step (before each collective the ranks compare what they are about
-to do, `desync.py`):
+Communication plan, per micro-step (each collective names its unit to the desync watchdog,
+`desync.py`, which costs nothing unless a collective gets stuck):
   1. forward: a unit module's pre-hook all-gathers the units it needs (`unshard`) and prefetches
      the next ones in the recorded order (`schedule.py`); its post-hook frees them (`reshard`)
      unless they are needed again soon (`stage3_max_reuse_distance`). Parameters outside the
@@ -36,7 +36,6 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..comm import Comm
-from .desync import OrderGuard
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
 from .schedule import Schedule
@@ -54,8 +53,6 @@ class Stage3Options:
     """Prefetch and reuse never take gathered elements above this."""
     max_reuse_distance: int = 1_000_000_000
     """Keep a unit gathered if it is needed again within this many elements of other units."""
-    desync_timeout: float = 300.0
-    """Seconds a rank waits for its peers before a stage-3 collective; 0 disables the check."""
     make_store: Callable[[list[Unit]], ShardStore] | None = None
     """Builds the placement of the sharded units' shards (`offload_param`: CPU memory, NVMe);
     None keeps them on the compute device."""
@@ -81,8 +78,6 @@ class Stage3(Stage2):
         # The sharded units arrive partitioned (materialize.py): only this rank's shards exist.
         self.schedule = Schedule({u.index: u.padded_numel for u in units},
                                  self.options.max_reuse_distance)
-        self.guard = OrderGuard(comm, self.options.desync_timeout,
-                                lambda i: self.by_index[i].describe())
         self.pending: dict[int, object] = {}  # unit index -> in-flight gather handle
         self.active: dict[int, int] = {}  # unit index -> modules running forward that need it
         self.pinned: dict[int, int] = {}  # unit index -> GatheredParameters contexts holding it
@@ -143,12 +138,11 @@ class Stage3(Stage2):
         """Start gathering `unit` into its full buffer (no-op if gathered or on its way)."""
         if unit.index in self.pending or unit.is_gathered:
             return
-        self.guard.check("gather", unit.index)
         source = self.store.source(unit)  # first: a failed NVMe read leaves nothing half-done
         flat = unit.allocate(self.gathered_pool)
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
-        handle = self.comm.all_gather(flat, source, async_op=True)
+        handle = self.comm.all_gather(flat, source, async_op=True, unit=unit)
         self.pending[unit.index] = _Gather(handle, self.store, unit)
 
     def unshard(self, indices) -> None:
@@ -283,7 +277,6 @@ class Stage3(Stage2):
             self._launch_unit(unit)
 
     def _launch_unit(self, unit: Unit) -> None:
-        self.guard.check("reduce-scatter", unit.index)
         super()._launch_unit(unit)
         self.reshard(unit.index)
 
@@ -297,8 +290,7 @@ class Stage3(Stage2):
 
     # -- interface -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        """Check the ranks agree that this is a step; free anything still gathered."""
-        self.guard.check("optimizer step")
+        """Free anything still gathered (every backward already reduce-scattered its units)."""
         self.reshard_all()
 
     def gather_params(self) -> None:
@@ -307,12 +299,11 @@ class Stage3(Stage2):
         for index in sorted(self.layout.persistent):
             unit = self.by_index[index]
             lo, hi = unit.shard_bounds(self.comm.rank)
-            self.comm.all_gather(unit.flat, unit.flat[lo:hi])
+            self.comm.all_gather(unit.flat, unit.flat[lo:hi], unit=unit)
         for index in sorted(i for i, n in self.pinned.items() if n):
             # A model gathered for inference (GatheredParameters) sees the updated weights.
             unit = self.by_index[index]
-            self.guard.check("gather", index)
-            self.comm.all_gather(unit.flat, self.store.source(unit))
+            self.comm.all_gather(unit.flat, self.store.source(unit), unit=unit)
             self.store.done(unit)
             set_status(unit, ZeroParamStatus.AVAILABLE)
 

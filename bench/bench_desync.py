@@ -1,0 +1,82 @@
+"""Stage-3 step time with the old per-unit desync check vs the watchdog, paired in one process.
+
+`bench_zero.py --desync per-unit|watchdog` runs the two as separate jobs; on a shared machine the
+load drifts between jobs by more than the difference being measured. Here the same 2 ranks train
+bench_zero's GPT-2 (same config, AdamW, stage-3 knobs) and alternate the two every step, so
+drift hits both alike; the per-step difference (slower rank) is reported. Launch with torchrun:
+
+    torchrun --standalone --nproc-per-node 2 bench/bench_desync.py --size small --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_zero  # noqa: E402 - the shared model, config and the per-unit check
+
+
+def main() -> None:
+    """Train, alternating the two checks per step; rank 0 prints medians and the paired gap."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", choices=list(bench_zero.SIZES), default="small")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps, half each mode")
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from transformers import GPT2LMHeadModel
+
+    import zeroshard
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(bench_zero.gpt2_config(args.size))
+    model.train()
+    options = argparse.Namespace(bucket=1e7, size=args.size, impl="zeroshard-s3", micro_batch=2,
+                                 desync="watchdog")
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, config=bench_zero.zero_config(options, 3, for_deepspeed=False),
+        optimizer=torch.optim.AdamW(model.parameters(), lr=bench_zero.LR, weight_decay=0.0))
+    comm = engine.comm
+    names = ("all_gather", "reduce_scatter")
+    plain = {n: getattr(comm, n) for n in names}
+    bench_zero.per_unit_guard(comm)
+    guarded = {n: getattr(comm, n) for n in names}
+    rank = dist.get_rank()
+    tokens = torch.randint(0, bench_zero.VOCAB, (2, 128),
+                           generator=torch.Generator().manual_seed(rank))
+    wall: dict[str, list[float]] = {"per-unit": [], "watchdog": []}
+    cpu: dict[str, list[float]] = {"per-unit": [], "watchdog": []}
+    for i in range(args.steps + 2):  # two warm-up steps, one per mode
+        mode = ("per-unit", "watchdog")[i % 2]
+        for name in names:
+            setattr(comm, name, (guarded if mode == "per-unit" else plain)[name])
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        engine.step()
+        if i >= 2:
+            wall[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (wall, cpu))
+    if rank == 0:
+        slowest = {m: [max(r[0][m][i] for r in every) for i in range(len(wall[m]))] for m in wall}
+        for mode in wall:
+            cpus = [max(r[1][mode][i] for r in every) for i in range(len(wall[mode]))]
+            print(f"{args.size} {mode}: median step {1e3 * statistics.median(slowest[mode]):.1f} ms,"
+                  f" CPU {1e3 * statistics.median(cpus):.1f} ms, {len(cpus)} steps")
+        gaps = [p - w for p, w in zip(slowest["per-unit"], slowest["watchdog"])]
+        print(f"{args.size} per-unit minus watchdog, paired: median {1e3 * statistics.median(gaps):.1f}"
+              f" ms, mean {1e3 * statistics.mean(gaps):.1f} ms")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

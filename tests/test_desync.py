@@ -196,11 +196,12 @@ def results():
     """Per-rank outcome of each case, and rank 0's outcome when its peer exits."""
     with tempfile.TemporaryDirectory() as tmp:
         exit_world = mp.start_processes(_exit_entry, args=(2, _free_port(), tmp), nprocs=2,
-                                         join=False, start_method="spawn")
+                                         join=False, start_method="forkserver")
         start = time.monotonic()
         out = run_world(2, _all, tmp)
         elapsed = time.monotonic() - start
-        deadline = time.monotonic() + 60  # rank 1 exits with code 3 on purpose: no join()
+        # The main world may finish first on a loaded machine: give the exit world its time.
+        deadline = time.monotonic() + 180  # rank 1 exits with code 3 on purpose: no join()
         while any(p.is_alive() for p in exit_world.processes) and time.monotonic() < deadline:
             time.sleep(0.5)
         for proc in exit_world.processes:

@@ -22,6 +22,7 @@ from .config.auto import resolve_auto
 from .config.schema import ZeroConfig, load_config, read_raw, require_supported
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.optim import ZeroOptimizer, build_optimizer
+from .core.reduction import Reduction
 from .core.scaler import LossScaler
 from .core.stage3 import Stage3Options
 from .offload.optimizer import make_placement
@@ -421,7 +422,15 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                          make_placement=functools.partial(
                              make_placement, zero.offload_optimizer if zero.stage > 0 else None,
                              cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
-                         device=device)
+                         device=device, reduction=_reduction(cfg))
+
+
+def _reduction(cfg: ZeroConfig) -> Reduction:
+    """The top-level reduction keys (`communication_data_type`, `prescale_gradients`,
+    `gradient_predivide_factor`), with DeepSpeed's meaning (core/reduction.py)."""
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    return Reduction(dtype=dtypes.get(cfg.communication_data_type),
+                     prescale=cfg.prescale_gradients, predivide=cfg.gradient_predivide_factor)
 
 
 def _move_rest(model: nn.Module, zopt: ZeroOptimizer, device: torch.device, dtype) -> None:

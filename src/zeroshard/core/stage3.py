@@ -135,8 +135,8 @@ class Stage3(Stage2):
         self.store.drain()
 
     def offload_buffer_tensors(self) -> list[torch.Tensor]:
-        """Staging buffers of the parameter store (CPU memory)."""
-        return self.store.buffers()
+        """Staging buffers of the parameter store and gradient landing buffers (CPU memory)."""
+        return self.store.buffers() + super().offload_buffer_tensors()
 
     # -- unshard / reshard -----------------------------------------------------------------------
     def _issue(self, unit: Unit) -> None:

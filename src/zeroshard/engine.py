@@ -144,6 +144,7 @@ class Engine(nn.Module):
                              f".mean()) first, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
         scale = self.scaler.scale / self.gradient_accumulation_steps()
+        self.optimizer.policy.expect_boundary(self.is_gradient_accumulation_boundary())
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         return loss
 

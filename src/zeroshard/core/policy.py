@@ -97,6 +97,10 @@ class StagePolicy:
                     _reattach_hook(view)))
             self.flat_grads.append(flat)
 
+    def expect_boundary(self, boundary: bool) -> None:
+        """Told before each engine backward whether it ends an accumulation window (stage 0
+        communicates in that backward only; the other stages need not know)."""
+
     def reduce_gradients(self) -> None:
         """Average gradients across ranks at the accumulation boundary."""
         raise NotImplementedError

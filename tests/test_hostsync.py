@@ -73,12 +73,36 @@ def _steps(rank, world, stage, extra, optimizer=None):
     return {"per_step": per_step, "norm_is_tensor": norm_is_tensor, "norm": norm, "asked": asked}
 
 
+def _skipped_first_step(rank, world, bad_first):
+    """fused SGD with momentum; optionally a nan loss at the very first step (caught)."""
+    batches = make_batches(2, MICRO * world)
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        config={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}})
+    if bad_first:
+        tokens, targets = micro_slice(batches[0], 0, rank, world, MICRO)
+        engine.backward(lm_loss(engine(tokens), targets) * float("nan"))
+        with contextlib.suppress(zeroshard.NonFiniteGradientError):
+            engine.step()
+    state_after_skip = len(engine.optimizer.state)
+    for batch in batches:
+        tokens, targets = micro_slice(batch, 0, rank, world, MICRO)
+        engine.backward(lm_loss(engine(tokens), targets))
+        engine.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    return params, state_after_skip
+
+
 def _all(rank, world):
     out = {}
     for stage in (0, 1, 2, 3):
         for precision in ("fp32", "bf16", "fp16"):
             extra = {precision: {"enabled": True}} if precision != "fp32" else {}
             out[(stage, precision)] = _steps(rank, world, stage, extra)
+    out["skip-first"] = (_skipped_first_step(rank, world, True),
+                         _skipped_first_step(rank, world, False))
     out["non-fused"] = _steps(rank, world, 2, {},
                               lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
     out["offload"] = _steps(rank, world, 2, {"zero_optimization": {
@@ -117,3 +141,12 @@ def test_cpu_offload_brings_factor_and_flag_to_the_host_once(results):
             assert counted == {"offload: clip factor / overflow flag": 1,
                                "non-finite check (after the step is queued)": 1}, counted
             assert reads == 1  # the copy to host memory is a copy, not a read
+
+
+def test_a_skipped_first_step_leaves_no_state(results):
+    """The fused kernels skip an inf/nan step on the device; a first step skipped that way must
+    not leave state behind (fused SGD's first momentum buffer would be uninitialised memory)."""
+    for got in results:
+        (skipped, state_left), (clean, _) = got["skip-first"]
+        assert state_left == 0
+        assert all(torch.equal(skipped[n], clean[n]) for n in clean)

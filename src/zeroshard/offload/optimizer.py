@@ -41,6 +41,8 @@ from ..core.streams import Streams
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
 
 PLACEMENT_NAMES = ("device", "cpu", "nvme")
+# torch optimizers whose fused kernels skip the update where `optimizer.found_inf` is 1.
+_TAKES_FOUND_INF = {"Adam", "AdamW", "SGD", "Adagrad"}
 
 
 class Placement:
@@ -110,8 +112,11 @@ class Placement:
         return torch.stack(norms).double().pow(2).sum().reshape(1)
 
     def can_mask(self) -> bool:
-        """Whether the step can take an overflow flag as a tensor: torch's fused kernels only."""
-        return all(group.get("fused") for group in self.optimizer.param_groups)
+        """Whether the step can take an overflow flag as a tensor: torch's own fused kernels only
+        (a subclass or another optimizer might ignore `found_inf` and apply an inf/nan step)."""
+        opt = type(self.optimizer)
+        return opt.__module__.startswith("torch.optim") and opt.__name__ in _TAKES_FOUND_INF \
+            and all(group.get("fused") for group in self.optimizer.param_groups)
 
     def step(self, factor, found_inf: torch.Tensor | None = None) -> set[int]:
         """Scale the attached gradients by `factor` (a float, or a 0-dim tensor), step (skipped

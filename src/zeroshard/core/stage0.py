@@ -62,13 +62,15 @@ class Stage0(StagePolicy):
     # -- backward ------------------------------------------------------------------------------
     def _hook_outputs(self, _module, _inputs, output) -> None:
         # As stage 2: the callback joins the outer backward, before any reentrant checkpoint.
-        if torch.is_grad_enabled() and self.armed:
+        # (Whether that backward communicates is decided when it runs: `armed` is set after
+        # the forward, by the engine's backward.)
+        if torch.is_grad_enabled():
             for leaf in tree_leaves(output):
                 if torch.is_tensor(leaf) and leaf.requires_grad:
                     leaf.register_hook(self._queue_end_of_backward)
 
     def _queue_end_of_backward(self, _grad=None) -> None:
-        if not self.callback_queued:
+        if self.armed and not self.callback_queued:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
 

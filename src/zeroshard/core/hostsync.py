@@ -15,7 +15,7 @@ from collections import Counter
 
 import torch
 
-from .hostmem import host_copy, is_host
+from .hostmem import host_copy, host_empty, is_host
 
 
 class HostSyncs:
@@ -35,7 +35,7 @@ class HostSyncs:
         point, not for everything queued meanwhile. On CPU: `tensor` itself."""
         if tensor.device.type == "cpu":
             return tensor, None
-        landing = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        landing = host_empty(tensor.shape, tensor.dtype, pin=True)
         landing.copy_(tensor, non_blocking=True)
         event = torch.Event(tensor.device)
         event.record()

@@ -25,6 +25,7 @@ from .core.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.no_optimizer import (REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer,
                                 release_gradient_memory)
 from .core.optim import ZeroOptimizer, build_optimizer
+from .core.reduction import Reduction
 from .core.scaler import LossScaler
 from .core.stage3 import Stage3Options
 from .offload.optimizer import make_placement
@@ -152,6 +153,7 @@ class Engine(nn.Module):
         if self.inference_only:
             raise RuntimeError(REFUSAL.format(what="engine.backward"))
         scale = self.scaler.scale / self.gradient_accumulation_steps()
+        self.optimizer.policy.expect_boundary(self.is_gradient_accumulation_boundary())
         with self.comm.phase("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         return loss
@@ -437,7 +439,15 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                          functools.partial(
                              make_placement, zero.offload_optimizer if zero.stage > 0 else None,
                              cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
-                         device=device)
+                         device=device, reduction=_reduction(cfg))
+
+
+def _reduction(cfg: ZeroConfig) -> Reduction:
+    """The top-level reduction keys (`communication_data_type`, `prescale_gradients`,
+    `gradient_predivide_factor`), with DeepSpeed's meaning (core/reduction.py)."""
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    return Reduction(dtype=dtypes.get(cfg.communication_data_type),
+                     prescale=cfg.prescale_gradients, predivide=cfg.gradient_predivide_factor)
 
 
 def _move_rest(model: nn.Module, zopt: ZeroOptimizer, device: torch.device, dtype) -> None:

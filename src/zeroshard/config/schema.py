@@ -312,6 +312,8 @@ class ZeroConfig(_Block):
     aio: AioConfig = Field(default_factory=AioConfig)
     steps_per_print: PosInt = 10
     wall_clock_breakdown: Bool = False
+    # The gradient reduction (core/reduction.py), with DeepSpeed's meaning; unset
+    # communication_data_type sums fp16/bf16 gradients in fp32 (DeepSpeed: in the compute dtype).
     prescale_gradients: Bool = False
     gradient_predivide_factor: PosFloat = 1.0
     communication_data_type: Annotated[str, _DTYPE] | None = None

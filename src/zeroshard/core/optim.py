@@ -5,8 +5,13 @@ is the same for every stage:
   1. the policy averages gradients across ranks (all-reduce / reduce-scatter / already done);
   2. the fp32 gradient of each owned shard is formed (a view in fp32, an upcast copy otherwise);
   3. one scalar all-reduce gives the global gradient norm over all shards, which detects fp16
-     overflow and drives clipping; unscaling and clipping are applied as one multiply;
-  4. the user's optimizer steps over the shard parameters (fused kernel where torch has one);
+     overflow and drives clipping; unscaling and clipping are applied as one multiply, by a
+     factor computed on the device (min(1, clip / (norm + 1e-6)) / loss scale);
+  4. the user's optimizer steps over the shard parameters (fused kernel where torch has one).
+     An inf/nan norm is not read on the host before the step: torch's fused kernels take it as
+     `found_inf` and leave parameters and state untouched; the host reads that one flag after
+     the whole step is queued (`hostsync.py`) to skip the LR scheduler, update the fp16 loss scale
+     or raise NonFiniteGradientError. Non-fused optimizers read it before stepping instead;
   5. the fp32 master shard is copied back into the compute-dtype shard (unless it is that shard);
   6. the policy all-gathers the updated shards (stages 1-2).
 Where the masters and optimizer state live, and so how steps 2-5 run, is the placement's business
@@ -16,7 +21,6 @@ Where the masters and optimizer state live, and so how steps 2-5 run, is the pla
 from __future__ import annotations
 
 import errno
-import math
 import warnings
 
 import torch
@@ -24,11 +28,13 @@ from torch import nn
 
 from ..comm import Comm, default_device
 from .hostmem import host_region, to_device
+from .hostsync import HostSyncs
 from .init import take_full
 from .layout import OWNER_ATTR, Unit, build_units
 from .materialize import materialize
 from .partition import build_stage3_layout
 from .policy import StagePolicy
+from .reduction import Reduction, accumulation_dtype
 from .scaler import LossScaler
 from .stage0 import Stage0
 from .stage1 import Stage1
@@ -77,7 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  scaler: LossScaler, overlap_comm: bool = True,
                  stage3: Stage3Options | None = None, persistence_threshold: int = 0,
                  unit_classes: list[str] | None = None, make_placement=None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, reduction: Reduction | None = None):
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -88,8 +94,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.clip_norm = clip_norm
         self.scaler = scaler
         self.optimizer = optimizer
-        self.last_grad_norm: float | None = None
+        #: The unclipped global gradient norm of the last applied step, as a device tensor.
+        self.grad_norm: torch.Tensor | None = None
         self.step_applied = False
+        #: Host synchronization points of the step, counted by reason.
+        self.syncs = HostSyncs()
         self.steps = 0
         #: The I/O error (NvmeError) of a step that failed half-way; cleared by loading a checkpoint.
         self.broken: OSError | None = None
@@ -128,6 +137,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit.cast(compute_dtype or unit.dtype)
         if self.placement.name != "device" and stage >= 2:
             self.policy.grad_place = "cpu"  # gradient shards live where the optimizer steps
+        self.policy.reduction = reduction or Reduction()
+        self.policy.syncs = self.syncs
+        self.placement.syncs = self.syncs
+        if self.units:
+            self.policy.accum_dtype = accumulation_dtype(
+                compute_dtype or self.units[0].dtype,
+                getattr(self.placement, "master_dtype", torch.float32))
         self.policy.setup()
         self._reseat(optimizer)
         for unit in self.units:
@@ -200,25 +216,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "(engine.load_checkpoint) to continue")
         self.policy.reduce_gradients()
         grads = [self.policy.grad_shard(unit) for unit in self.units]
-        norm = self._global_norm(self.placement.sq_norm(grads))
+        total = self._global_sq_norm(self.placement.sq_norm(grads))
         self.steps += 1
-        if not math.isfinite(norm):
-            self.placement.drop_grads()
-            if self.scaler.enabled:
-                self.scaler.update(overflow=True, step=self.steps)
-                self.step_applied = False
-                self.last_grad_norm = None
-                return False
-            message = self._nonfinite_message()
-            # Nothing was applied; clearing the gradients lets a caller skip the bad batch.
-            self.policy.zero_grad()
-            raise NonFiniteGradientError(message)
-        self.last_grad_norm = norm
-        factor = 1.0 / self.scaler.scale
-        if self.clip_norm > 0 and norm > self.clip_norm:
-            factor *= self.clip_norm / (norm + 1e-6)
+        scale = self.scaler.scale
+        norm = total.sqrt() / scale
+        found_inf = (~torch.isfinite(total)).to(torch.float32)
+        factor = self._factor(norm, scale)
+        masked = self.placement.can_mask()
+        # Queued now, read once the step is queued too: the host then waits only for the norm.
+        flag = self.syncs.start_read(found_inf)
+        if not masked and self.syncs.finish_read(flag, "non-finite check (non-fused optimizer)"):
+            return self._skip()
         try:
-            self.placement.step(factor)
+            had_state = self.placement.step(factor, found_inf if masked else None)
             self.policy.gather_params()
         except OSError as err:  # the placement's I/O (offload/nvme.py's NvmeError)
             self.broken = err
@@ -226,18 +236,50 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise type(err)(err.errno, f"rank {self.comm.rank}, optimizer step {self.steps}: {err}. "
                             "The step was only partly applied; load the last checkpoint "
                             "(engine.load_checkpoint) to continue") from err
+        if masked and self.syncs.finish_read(flag, "non-finite check (after the step is queued)"):
+            self.placement.forget_new_state(had_state)  # a skipped first step leaves no state
+            return self._skip()
+        self.grad_norm = norm
         self.scaler.update(overflow=False, step=self.steps)
         self.step_applied = True
         return True
 
-    def _global_norm(self, local: torch.Tensor) -> float:
-        """L2 norm of the unscaled gradient over all shards of all ranks, from this rank's sum of
-        squares (float64, shape [1]), which is in host memory under optimizer offload."""
+    def _skip(self) -> bool:
+        """An inf/nan gradient: nothing was applied. fp16 skips the step; otherwise raise."""
+        self.placement.drop_grads()
+        self.grad_norm = None
+        if self.scaler.enabled:
+            self.scaler.update(overflow=True, step=self.steps)
+            self.step_applied = False
+            return False
+        message = self._nonfinite_message()
+        # Nothing was applied; clearing the gradients lets a caller skip the bad batch.
+        self.policy.zero_grad()
+        raise NonFiniteGradientError(message)
+
+    def _factor(self, norm: torch.Tensor, scale: float):
+        """What the gradients are multiplied by: 1/scale as a float without clipping, else a
+        device tensor (1/scale) x min(1, clip / (norm + 1e-6)), never read on the host."""
+        if self.clip_norm <= 0:
+            return 1.0 / scale
+        clip = self.clip_norm
+        return torch.where(norm > clip, clip / (norm + 1e-6), 1.0) * (1.0 / scale)
+
+    def _global_sq_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum of squares of the (still scaled) gradient over all shards of all ranks, a 0-dim
+        float64 tensor on the compute device, from this rank's sum (float64, shape [1], in host
+        memory under optimizer offload)."""
         if self.policy.shards_optimizer:
             local = to_device(local, self.device)  # NCCL takes device tensors only
             self.comm.all_reduce(local)
-        total = local.item()
-        return math.sqrt(total) / self.scaler.scale if math.isfinite(total) else math.inf
+        return local.reshape(())
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The unclipped global gradient norm of the last applied step (read on the host now)."""
+        if self.grad_norm is None:
+            return None
+        return float(self.syncs.read(self.grad_norm, "grad norm asked for"))
 
     def _nonfinite_message(self) -> str:
         bad = [u.describe() for u in self.units if not self.policy.unit_grad_is_finite(u)]

@@ -13,6 +13,7 @@ import torch
 
 from ..comm import Comm, wait_all
 from .layout import Unit
+from .reduction import Reduction
 
 # Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the
 # next unit). Each one pins a unit-sized gradient buffer and (N-1)/N of it in receive buffers.
@@ -30,6 +31,13 @@ class StagePolicy:
     #: Where persistent gradient shards live (stages 2-3): "device", or "cpu" under optimizer
     #: offload, set by the optimizer before `setup()`.
     grad_place = "device"
+    #: How gradients are summed and averaged (dtype, pre/post scaling); set before `setup()`.
+    reduction = Reduction()
+    #: dtype of persistent gradient shards (stages 2-3; micro-steps accumulate in it), None: the
+    #: unit's dtype; set by the optimizer before `setup()`.
+    accum_dtype: torch.dtype | None = None
+    #: The optimizer's counter of host synchronization points (`hostsync.py`), or None.
+    syncs = None
 
     def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True,
                  module: torch.nn.Module | None = None):
@@ -88,6 +96,10 @@ class StagePolicy:
                 self.hooks.append(slot.param.register_post_accumulate_grad_hook(
                     _reattach_hook(view)))
             self.flat_grads.append(flat)
+
+    def expect_boundary(self, boundary: bool) -> None:
+        """Told before each engine backward whether it ends an accumulation window (stage 0
+        communicates in that backward only; the other stages need not know)."""
 
     def reduce_gradients(self) -> None:
         """Average gradients across ranks at the accumulation boundary."""

@@ -3,9 +3,11 @@
 Communication plan, per optimizer step:
   1. backward: autograd accumulates into each unit's full flat gradient buffer (in place, through
      the parameters' `.grad` views); micro-steps accumulate there, nothing is communicated.
-  2. accumulation boundary: reduce-scatter each unit's flat gradient buffer in place; rank r's
-     slice `[r*S, (r+1)*S)` of the buffer becomes the sum over ranks, divided by N (the rest of
-     the buffer is scratch until the next zero_grad). Ring cost: Psi x (N-1)/N elements per rank.
+  2. accumulation boundary: each unit's flat gradient buffer, cast to the communication dtype
+     (`reduction.py`: fp32 for fp16/bf16 gradients unless `communication_data_type` says
+     otherwise; in place when it already is in that dtype) and pre-scaled, is reduce-scattered;
+     rank r's slice `[r*S, (r+1)*S)` becomes the sum over ranks, divided by N (the rest is scratch).
+     Ring cost: Psi x (N-1)/N elements of the communication dtype per rank.
   3. step: rank r steps only its shard (fp32 master + optimizer state exist only for the shard).
   4. all-gather every unit's updated shards into the full flat parameter buffer, in place.
      Ring cost: Psi x (N-1)/N elements per rank.  Total 2 x Psi x (N-1)/N, as plain DP.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from .policy import MAX_IN_FLIGHT, StagePolicy
 
 
@@ -23,19 +27,44 @@ class Stage1(StagePolicy):
 
     stage = 1
 
+    def setup(self) -> None:
+        """Full gradient buffers (as the base policy) and no reduced shards yet."""
+        super().setup()
+        self.reduced: dict[int, torch.Tensor] = {}
+
     def reduce_gradients(self) -> None:
-        """Reduce-scatter each unit's gradients and leave the average in this rank's slice."""
+        """Reduce-scatter each unit's gradients and keep the average of this rank's slice."""
         pending = deque()
+        n = self.comm.world_size
         for unit, flat in zip(self.units, self.flat_grads):
-            pending.append((unit, flat, self.comm.reduce_scatter(flat, async_op=True,
+            send = self.reduction.for_reduce(flat, n)  # a communication-dtype copy, or flat itself
+            pending.append((unit, send, self.comm.reduce_scatter(send, async_op=True,
                                                                    unit=unit)))
             while len(pending) > (MAX_IN_FLIGHT if self.overlap else 0):
                 self._land(*pending.popleft())
         while pending:
             self._land(*pending.popleft())
 
-    def _land(self, unit, flat, handle) -> None:
+    def _land(self, unit, send, handle) -> None:
         if handle is not None:
             handle.wait()
-        if self.comm.world_size > 1:
-            unit.shard_view(flat, self.comm.rank).div_(self.comm.world_size)
+        own = self.reduction.after(unit.shard_view(send, self.comm.rank), self.comm.world_size)
+        # A cast copy is let go at once: only this rank's slice of it is kept.
+        is_flat = send.data_ptr() == self.flat_grads[unit.index].data_ptr()
+        self.reduced[unit.index] = own if is_flat else own.clone()
+
+    def grad_shard(self, unit) -> torch.Tensor:
+        """This rank's averaged slice (in the communication dtype) once reduced."""
+        reduced = self.reduced.get(unit.index)
+        return reduced if reduced is not None else super().grad_shard(unit)
+
+    def zero_grad(self) -> None:
+        """Clear the full buffers and forget the reduced slices."""
+        self.reduced.clear()
+        super().zero_grad()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Full gradient buffers, plus reduced slices that are copies (between reduce and step)."""
+        flats = {t.untyped_storage().data_ptr() for t in self.flat_grads}
+        return super().grad_tensors() + [t for t in self.reduced.values()
+                                         if t.untyped_storage().data_ptr() not in flats]

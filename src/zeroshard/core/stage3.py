@@ -41,6 +41,7 @@ from .partition import Stage3Layout
 from .schedule import Schedule
 from .shard_store import ShardStore
 from .stage2 import Stage2
+from .streams import Streams
 
 
 @dataclass(kw_only=True)
@@ -130,19 +131,25 @@ class Stage3(Stage2):
         self.store.drain()
 
     def offload_buffer_tensors(self) -> list[torch.Tensor]:
-        """Staging buffers of the parameter store (CPU memory)."""
-        return self.store.buffers()
+        """Staging buffers of the parameter store and gradient landing buffers (CPU memory)."""
+        return self.store.buffers() + super().offload_buffer_tensors()
 
     # -- unshard / reshard -----------------------------------------------------------------------
     def _issue(self, unit: Unit) -> None:
         """Start gathering `unit` into its full buffer (no-op if gathered or on its way)."""
         if unit.index in self.pending or unit.is_gathered:
             return
-        source = self.store.source(unit)  # first: a failed NVMe read leaves nothing half-done
+        # Accelerator: the copy-in of an offloaded shard and the collective are queued from the
+        # "gather" side stream, so compute queued after this point never waits for them; the
+        # compute stream waits only where it needs the unit (`unshard`, through the handle). The
+        # full buffer is allocated on the compute stream, which uses it.
+        with self.streams.on("gather"):
+            source = self.store.source(unit)  # first: a failed NVMe read leaves nothing half-done
         flat = unit.allocate(self.gathered_pool)
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
-        handle = self.comm.all_gather(flat, source, async_op=True, unit=unit)
+        with self.streams.on("gather"):
+            handle = self.comm.all_gather(flat, source, async_op=True, unit=unit)
         self.pending[unit.index] = _Gather(handle, self.store, unit)
 
     def unshard(self, indices) -> None:
@@ -189,6 +196,7 @@ class Stage3(Stage2):
     def setup(self) -> None:
         """Stage-2 gradient machinery plus gather/release hooks on every unit module."""
         super().setup()
+        self.streams = Streams(self.streams.device, ("reduce", "gather"))
         for unit in self.units:  # persistent units are whole; sharded ones are released
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)

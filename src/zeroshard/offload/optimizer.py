@@ -13,12 +13,15 @@ Step plan, after the policy has averaged the gradients:
     torch optimizer steps all masters at once (fused CPU kernel where torch has one); each master
     is copied back into the compute-dtype owned slice.
   cpu: the same, with masters and state in CPU memory (pinned on CUDA when `pin_memory`): each
-    unit's gradient shard is copied to CPU in fp32 (non-blocking into pinned buffers on CUDA), the
-    step runs on the CPU with `cores / local ranks` threads, and the updated master goes back to
-    the device in the compute dtype.
+    unit's gradient shard is copied to CPU in fp32 (non-blocking into pinned buffers on CUDA,
+    waited for once through an event), the step runs on the CPU with `cores / local ranks`
+    threads, and the updated master goes back to the device in the compute dtype. The clip factor
+    and overflow flag, computed on the device, come to the host once per step with them.
   nvme: masters and state live in swap files (`nvme.py`); the step goes unit by unit through a
     bounded pool of staging buffers: read unit i+1's master and state (`pipeline_read`) while
-    stepping unit i, while unit i-1 is written back (`pipeline_write`). A failed write leaves the
+    stepping unit i, while unit i-1 is written back (`pipeline_write`). A staging buffer goes back
+    to the pool once its write is done and the copy of the master to the device has finished
+    (an event waited for by the I/O thread, not by the step). A failed write leaves the
     step partly applied on disk: the optimizer then refuses further steps until a checkpoint is
     loaded (which rewrites every swap file).
 """
@@ -31,11 +34,15 @@ import os
 import torch
 from torch import nn
 
-from ..core.hostmem import host_copy, host_empty, host_zeros, on_device, to_host
+from ..core.hostmem import host_copy, host_empty, host_zeros, is_host, on_device, to_host
+from ..core.hostsync import HostSyncs
 from ..core.layout import ALIGN, Unit
+from ..core.streams import Streams
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
 
 PLACEMENT_NAMES = ("device", "cpu", "nvme")
+# torch optimizers whose fused kernels skip the update where `optimizer.found_inf` is 1.
+_TAKES_FOUND_INF = {"Adam", "AdamW", "SGD", "Adagrad"}
 
 
 class Placement:
@@ -57,6 +64,9 @@ class Placement:
         self.grad_buffers = [host_empty(m.numel(), m.dtype, pin=True) for m in self.masters] \
             if self.pin and on_cuda else None
         self.threads = _offload_threads() if where != "device" and on_cuda else None
+        #: Host synchronization points (the optimizer hands its own counter).
+        self.syncs = HostSyncs()
+        self.streams = Streams(units[0].compute_device if units else torch.device("cpu"))
 
     def _master(self, unit: Unit, compute_dtype: torch.dtype | None) -> nn.Parameter:
         owned = self.policy.read_owned(unit).detach()
@@ -77,17 +87,20 @@ class Placement:
         """Attach gradients (in the masters' dtype) to the masters; return the local sum of their
         squares (float64)."""
         fp32 = []
+        copied = False
         for i, (master, grad) in enumerate(zip(self.masters, grads)):
             if self.grad_buffers is not None and grad.device.type == "cuda":
                 g = self.grad_buffers[i].copy_(grad, non_blocking=True)
+                copied = True
             elif self.device is not None:
+                copied |= not is_host(grad)
                 g = to_host(grad, master.dtype)  # stage 1: from the device's gradient buffers
             else:
                 g = grad.to(master.device, master.dtype)
             master.grad = g
             fp32.append(g)
-        if self.grad_buffers is not None:
-            torch.cuda.synchronize()
+        if copied:  # the CPU reads them next: wait once for every copy queued above
+            self.syncs.wait(self.streams.record(), "offload: gradients reach host memory")
         if not fp32:
             return host_zeros(1, torch.float64)
         # _foreach_norm reduces without materialising squared copies of the shards (bf16 master
@@ -98,16 +111,50 @@ class Placement:
             norms = torch._foreach_norm(fp32, 2, dtype=torch.float32)
         return torch.stack(norms).double().pow(2).sum().reshape(1)
 
-    def step(self, factor: float) -> None:
-        """Scale the attached gradients by `factor`, step, and write masters back to the params."""
+    def can_mask(self) -> bool:
+        """Whether the step can take an overflow flag as a tensor: torch's own fused kernels only
+        (a subclass or another optimizer might ignore `found_inf` and apply an inf/nan step)."""
+        opt = type(self.optimizer)
+        return opt.__module__.startswith("torch.optim") and opt.__name__ in _TAKES_FOUND_INF \
+            and all(group.get("fused") for group in self.optimizer.param_groups)
+
+    def step(self, factor, found_inf: torch.Tensor | None = None) -> set[int]:
+        """Scale the attached gradients by `factor` (a float, or a 0-dim tensor), step (skipped
+        inside the kernels where `found_inf` is 1), and write masters back to the params. Returns
+        the ids of the masters that had optimizer state before (see `forget_new_state`)."""
+        factor, found_inf = self._for_step(factor, found_inf)
         grads = [m.grad for m in self.masters if m.grad is not None]
-        if factor != 1.0 and grads:
-            torch._foreach_mul_(grads, factor)
-        with _num_threads(self.threads):
-            self.optimizer.step()
+        _scale(grads, factor)
+        had_state = {id(m) for m in self.masters if m in self.optimizer.state}
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf
+        try:
+            with _num_threads(self.threads):
+                self.optimizer.step()
+        finally:
+            if found_inf is not None:
+                del self.optimizer.found_inf
         self.drop_grads()
         for unit, master in zip(self.units, self.masters):
             self.policy.write_owned(unit, master.data)
+        return had_state
+
+    def _for_step(self, factor, found_inf):
+        """Factor and flag where the step runs: an offloaded (CPU) step needs them in host memory,
+        one small copy the host waits for."""
+        if self.device is None or not (torch.is_tensor(factor) or found_inf is not None):
+            return factor, found_inf
+        both = [t.reshape(()).double() for t in (factor, found_inf) if torch.is_tensor(t)]
+        packed = self.syncs.to_host(torch.stack(both), "offload: clip factor / overflow flag")
+        factor = packed[0] if torch.is_tensor(factor) else factor
+        return factor, (packed[-1].float() if found_inf is not None else None)
+
+    def forget_new_state(self, had_state: set[int]) -> None:
+        """After a step the kernels skipped: drop state the step created (a skipped first step
+        leaves no state, as if it never ran; fused SGD's first momentum buffer is not zeroed)."""
+        for master in self.masters:
+            if id(master) not in had_state:
+                self.optimizer.state.pop(master, None)
 
     def drop_grads(self) -> None:
         """Detach gradients from the masters (after a step, or when it is skipped)."""
@@ -176,6 +223,8 @@ class NvmePlacement(Placement):
         self.threads = _offload_threads() if self.on_cuda else None
         self.grad_buffers = None
         self.grads = None
+        self.syncs = HostSyncs()
+        self.streams = Streams(self.compute_device)
         self.pipeline_read = bool(spec.pipeline_read)
         self.pipeline_write = bool(spec.pipeline_write)
         self.kinds = {g: _state_kinds(optimizer, g) for g in range(len(optimizer.param_groups))}
@@ -211,8 +260,13 @@ class NvmePlacement(Placement):
             return torch.zeros(1, dtype=torch.float64, device=self.compute_device)
         return torch.stack(norms).double().pow(2).sum().reshape(1)
 
-    def step(self, factor: float) -> None:
+    def can_mask(self) -> bool:
+        """The overflow flag is read before an NVMe step (it runs unit by unit through I/O)."""
+        return False
+
+    def step(self, factor, found_inf: torch.Tensor | None = None) -> set[int]:
         """Read, step and write back one unit at a time, overlapping I/O with the step."""
+        factor, _ = self._for_step(factor, None)
         units = [u for u in self.units if u.shard_numel]
         ahead = 1 if self.pipeline_read else 0
         reads: dict[int, tuple[list, dict]] = {}
@@ -226,8 +280,8 @@ class NvmePlacement(Placement):
                 current = reads.pop(unit.index)
                 for request in current[0]:
                     request.wait()
-                self._step_unit(unit, current[1], factor)
-                writes.extend(self._start_write(unit, current[1]))
+                copied = self._step_unit(unit, current[1], factor)
+                writes.extend(self._start_write(unit, current[1], copied))
                 current = None  # its buffers go back to the pool as its writes finish
                 if not self.pipeline_write:
                     _wait_all(writes)
@@ -240,6 +294,7 @@ class NvmePlacement(Placement):
             raise
         finally:
             self.grads = None
+        return set()
 
     def _start_read(self, unit: Unit):
         buffers = {kind: self.pool.take() for kind in ["master"] + self.present[unit.index]}
@@ -255,8 +310,9 @@ class NvmePlacement(Placement):
             state[kind] = buffers[kind].view(torch.float32)[:n]
         grad = self.grads[unit.index]
         fp32 = to_host(grad, torch.float32)  # stage 1: the gradient is still on the device
-        if factor != 1.0:
-            fp32 = (host_copy(fp32) if fp32 is grad else fp32).mul_(factor)
+        if torch.is_tensor(factor) or factor != 1.0:
+            fp32 = host_copy(fp32) if fp32 is grad else fp32
+            _scale([fp32], factor)
         master.grad = fp32
         group = self.optimizer.param_groups[unit.group_index]
         saved = self.optimizer.param_groups
@@ -268,8 +324,9 @@ class NvmePlacement(Placement):
             self.optimizer.param_groups = saved
             master.grad = None
         self.policy.write_owned(unit, master.data)
-        if self.on_cuda:  # the staging buffer is reused once its write is done
-            torch.cuda.current_stream().synchronize()
+        # The copy to the device may still read the staging buffer: its event goes with the
+        # buffer's write, and the buffer is reused only after both (`_start_write`).
+        copied = self.streams.record()
         # The first step created the state tensors: move them into staging buffers.
         state = self.optimizer.state[master]
         for kind in self.kinds[unit.group_index]:
@@ -278,16 +335,21 @@ class NvmePlacement(Placement):
                 buffer.view(torch.float32)[:n].copy_(state[kind])
                 buffers[kind] = buffer
                 self.present[unit.index].append(kind)
+        return copied
 
-    def _start_write(self, unit: Unit, buffers: dict) -> list:
+    def _start_write(self, unit: Unit, buffers: dict, copied=None) -> list:
         master = self.masters[unit.index]
         master.data = self.placeholder
         state = self.optimizer.state[master]
         for kind in buffers:
             if kind != "master":
                 state[kind] = self.placeholder
-        return [self.io.write(self.swap, _name(unit, kind), buf,
-                              on_done=lambda b=buf: self.pool.give(b))
+        def give(buf):
+            if copied is not None:
+                copied.synchronize()  # on the I/O thread: the step goes on meanwhile
+            self.pool.give(buf)
+
+        return [self.io.write(self.swap, _name(unit, kind), buf, on_done=lambda b=buf: give(b))
                 for kind, buf in buffers.items()]
 
     def _abandon(self, reads: dict, writes: list) -> None:
@@ -384,6 +446,23 @@ def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int
         return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory,
                          master_dtype=master_dtype)
     return Placement(optimizer, units, policy, compute_dtype, master_dtype=master_dtype)
+
+
+def _scale(grads: list[torch.Tensor], factor) -> None:
+    """Multiply `grads` in place by `factor` (a float, or a 0-dim float64 tensor: then computed in
+    fp32, as a float scalar would be, for gradients below fp32 too)."""
+    if not grads:
+        return
+    if not torch.is_tensor(factor):
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        return
+    fp32 = [g for g in grads if g.dtype == torch.float32]
+    if fp32:
+        torch._foreach_mul_(fp32, factor.to(fp32[0].device))
+    for g in grads:
+        if g.dtype != torch.float32:
+            g.copy_(g.float().mul_(factor.to(g.device)))
 
 
 def _name(unit: Unit, kind: str) -> str:

@@ -14,7 +14,9 @@ with DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states: master a
 K = 2 + 4 = 6 with Adam (stages 1-3; the baseline DP row keeps fp32 masters, as the engine does).
 `offload_optimizer` moves the K part to CPU memory or NVMe (and at stages 2-3 the gradient
 shards to CPU memory, where the step reads them); `offload_param` (stage 3) the p part.
-These are exactly the bytes zeroshard's memory ledger counts, up to the per-unit padding.
+`bf16` and `fp16` count what zeroshard holds: at stages 2-3 its gradient shards are fp32 (g = 4
+there; core/reduction.py); `mixed` keeps the paper's g = 2 (Table 1). These are exactly the bytes
+zeroshard's memory ledger counts, up to the per-unit padding.
 
 Communication per rank per optimizer step (ring, bytes of the compute dtype): 2 Psi (N-1)/N at
 stages 0-2 (reduce-scatter or all-reduce, then all-gather), 3 Psi (N-1)/N at stage 3 (gather in
@@ -160,6 +162,8 @@ def model_states(params: float, world: int, stage: int, precision: str = "mixed"
     # In fp32 the master is the parameter only while both live on the device.
     p, g, k = bytes_per_param(precision, optimizer,
                               offload_optimizer != "none" or offload_param != "none")
+    if stage >= 2 and precision in ("bf16", "fp16"):
+        g = 4  # zeroshard keeps gradient shards (micro-steps accumulate there) in fp32
     share = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
     per_kind = {"params": p, "grads": g, "optimizer": k}
     where = {"params": "device" if offload_param == "none" else offload_param,

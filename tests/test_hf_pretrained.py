@@ -371,9 +371,9 @@ def saved(tmp_path_factory):
 def world(request, saved):
     """(world size, per-rank results) for one spawned world running every case."""
     paths, root = saved
-    if request.param == 1:  # a world of one is this process (as a plain `python train.py`)
-        zeroshard.init_distributed()
-        return 1, [_world(0, 1, paths, str(root))]
+    # Every size in its own processes, a world of one too: a process group started in pytest's
+    # own process would outlive this module (its rendezvous port and RANK/MASTER_* variables
+    # then leak into every later test that launches a job).
     return request.param, run_world(request.param, _world, paths, str(root))
 
 

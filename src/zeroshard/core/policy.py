@@ -10,6 +10,8 @@ averaged gradient of the slice this rank steps), and `gather_params()` after the
 from __future__ import annotations
 
 import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
 
 from ..comm import Comm, wait_all
 from .layout import Unit
@@ -100,6 +102,28 @@ class StagePolicy:
     def expect_boundary(self, boundary: bool) -> None:
         """Told before each engine backward whether it ends an accumulation window (stage 0
         communicates in that backward only; the other stages need not know)."""
+
+    # -- the end-of-backward callback (stages that reduce during backward) -----------------------
+    armed = True  # whether this backward queues `_end_of_backward` (stage 0: boundary only)
+    callback_queued = False
+
+    def _hook_outputs(self, _module, _inputs, output) -> None:
+        """Forward hook on the model: a hook on its outputs queues the end-of-backward callback."""
+        # The callback must join the *outer* backward: a hook on the model's outputs runs there
+        # first, before any reentrant checkpoint starts a nested backward (whose end would
+        # otherwise flush half-filled units).
+        if torch.is_grad_enabled():
+            for leaf in tree_leaves(output):
+                if torch.is_tensor(leaf) and leaf.requires_grad:
+                    leaf.register_hook(self._queue_end_of_backward)
+
+    def _queue_end_of_backward(self, _grad=None) -> None:
+        if self.armed and not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        raise NotImplementedError
 
     def reduce_gradients(self) -> None:
         """Average gradients across ranks at the accumulation boundary."""

@@ -25,8 +25,6 @@ from collections import deque
 from functools import partial
 
 import torch
-from torch.autograd import Variable
-from torch.utils._pytree import tree_leaves
 
 from ..comm import wait_all
 from .layout import Unit
@@ -60,20 +58,6 @@ class Stage0(StagePolicy):
         self.armed = boundary
 
     # -- backward ------------------------------------------------------------------------------
-    def _hook_outputs(self, _module, _inputs, output) -> None:
-        # As stage 2: the callback joins the outer backward, before any reentrant checkpoint.
-        # (Whether that backward communicates is decided when it runs: `armed` is set after
-        # the forward, by the engine's backward.)
-        if torch.is_grad_enabled():
-            for leaf in tree_leaves(output):
-                if torch.is_tensor(leaf) and leaf.requires_grad:
-                    leaf.register_hook(self._queue_end_of_backward)
-
-    def _queue_end_of_backward(self, _grad=None) -> None:
-        if self.armed and not self.callback_queued:
-            self.callback_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-
     def _on_grad_ready(self, unit: Unit, _param) -> None:
         self.dirty.add(unit.index)
         if not self.armed:

@@ -39,8 +39,6 @@ from collections import deque
 from functools import partial
 
 import torch
-from torch.autograd import Variable
-from torch.utils._pytree import tree_leaves
 
 from .hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
@@ -99,20 +97,6 @@ class Stage2(StagePolicy):
         return self.reduction.comm_dtype(unit.dtype)
 
     # -- backward ------------------------------------------------------------------------------
-    def _hook_outputs(self, _module, _inputs, output) -> None:
-        # The end-of-backward callback must join the *outer* backward: a hook on the model's
-        # outputs runs there first, before any reentrant checkpoint starts a nested backward
-        # (whose end would otherwise flush half-filled units).
-        if torch.is_grad_enabled():
-            for leaf in tree_leaves(output):
-                if torch.is_tensor(leaf) and leaf.requires_grad:
-                    leaf.register_hook(self._queue_end_of_backward)
-
-    def _queue_end_of_backward(self, _grad=None) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-
     def _on_grad_ready(self, unit: Unit, position: int, param: torch.nn.Parameter) -> None:
         self._queue_end_of_backward()
         buffer = self._buffer(unit)

@@ -122,6 +122,20 @@ class StagePolicy:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _launch(self, force: bool) -> None:
+        """Start the collectives of the units whose gradients are complete, in layout order (all
+        remaining ones when `force`); uses the stage's `missing`, `launched`, `next_launch`."""
+        while self.next_launch < len(self.units):
+            unit = self.units[self.next_launch]
+            if self.missing[unit.index] > 0 and not force:
+                return
+            self.next_launch += 1
+            if unit.index not in self.launched:
+                self._launch_unit(unit)
+
+    def _launch_unit(self, unit: Unit) -> None:
+        raise NotImplementedError
+
     def _end_of_backward(self) -> None:
         raise NotImplementedError
 

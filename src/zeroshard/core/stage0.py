@@ -67,14 +67,6 @@ class Stage0(StagePolicy):
         if unit.index not in self.launched:
             self._launch(force=False)
 
-    def _launch(self, force: bool) -> None:
-        while self.next_launch < len(self.units):
-            unit = self.units[self.next_launch]
-            if self.missing[unit.index] > 0 and not force:
-                return
-            self.next_launch += 1
-            self._launch_unit(unit)
-
     def _launch_unit(self, unit: Unit) -> None:
         flat = self.flat_grads[unit.index]
         send = self.reduction.before(flat.to(self.reduction.comm_dtype(flat.dtype), copy=True),

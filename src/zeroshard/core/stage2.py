@@ -151,15 +151,6 @@ class Stage2(StagePolicy):
             if not done:
                 buffer[slot.offset: slot.offset + slot.numel].zero_()
 
-    def _launch(self, force: bool) -> None:
-        while self.next_launch < len(self.units):
-            unit = self.units[self.next_launch]
-            if self.missing[unit.index] > 0 and not force:
-                return
-            self.next_launch += 1
-            if unit.index not in self.launched:
-                self._launch_unit(unit)
-
     def _launch_unit(self, unit: Unit) -> None:
         """Reduce-scatter `unit`'s gradient buffer (asynchronously) and bound what is in flight."""
         buffer = self._buffer(unit)

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroshard
 from tests.harness import run_world
@@ -257,18 +258,53 @@ def _no_optimizer_case(path):
     return out
 
 
-def _no_optimizer_below_stage3(stage):
-    """Stages 0-2 without an optimizer: nothing kept for gradients or optimizer state either."""
+def _no_optimizer_below_stage3(stage, world):
+    """Stages 0-3 without an optimizer: nothing kept for gradients or optimizer state, and no
+    gradient storage allocated even for a moment: initialize() allocates at least the gradients'
+    bytes (Psi fp32, over N from stage 2) less than for a training engine (SGD without momentum,
+    which keeps no state)."""
+    allocated = {}
+    for kind in ("train", "infer"):
+        torch.manual_seed(0)
+        model = BUILDERS["gpt2"]()
+        config = dict(STAGE3, zero_optimization={"stage": stage})
+        opt = torch.optim.SGD(model.parameters(), lr=0.0) if kind == "train" else None
+        with _AllocatedBytes() as counter:
+            engine, *_ = zeroshard.initialize(model=model, optimizer=opt, config=config)
+        allocated[kind] = counter.bytes
+        if kind == "infer":
+            report = engine.memory_report()
+            ids = _batch(1)
+            with torch.no_grad():
+                same = torch.equal(engine(input_ids=ids).logits, _reference_logits(ids))
+        engine.destroy()
+    numel = sum(p.numel() for p in BUILDERS["gpt2"]().parameters())
+    grad_bytes = 4 * numel // (world if stage >= 2 else 1)
+    saved = allocated["train"] - allocated["infer"]
+    kept = sum(report[k][p] for k in ("grads", "optimizer") for p in report[k])
+    return kept, same, saved >= grad_bytes
+
+
+def _reference_logits(ids):
     torch.manual_seed(0)
-    model = BUILDERS["gpt2"]()
-    config = dict(STAGE3, zero_optimization={"stage": stage})
-    engine, *_ = zeroshard.initialize(model=model, config=config)
-    report = engine.memory_report()
-    ids = _batch(1)
-    with torch.no_grad():
-        same = torch.equal(engine(input_ids=ids).logits, model(input_ids=ids).logits)
-    engine.destroy()
-    return sum(report[k][p] for k in ("grads", "optimizer") for p in report[k]), same
+    return BUILDERS["gpt2"]()(input_ids=ids).logits
+
+
+class _AllocatedBytes(TorchDispatchMode):
+    """Bytes of every tensor created by a factory op (empty/zeros/full ...) while active."""
+
+    FACTORIES = ("empty", "zeros", "ones", "full", "new_empty", "new_zeros", "empty_like",
+                 "zeros_like", "empty_strided")
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.FACTORIES and torch.is_tensor(out):
+            self.bytes += out.numel() * out.element_size()
+        return out
 
 
 def _trainer_case(world, path, root):
@@ -319,7 +355,7 @@ def _world(rank, world, paths, root):
     out["consolidated"] = _consolidated_case(rank, world, os.path.join(root, f"w{world}"))
     out.update({("resize", n): _resize_case(n) for n in ("gpt2", "llama")})
     out["no_optimizer"] = _no_optimizer_case(paths["gpt2"])
-    out.update({("no_optimizer", s): _no_optimizer_below_stage3(s) for s in (0, 1, 2)})
+    out.update({("no_optimizer", s): _no_optimizer_below_stage3(s, world) for s in (0, 1, 2, 3)})
     if world == 2:  # the front ends, at one world size
         out["trainer"] = _trainer_case(world, paths["gpt2"], os.path.join(root, "trainer"))
         out["lightning"] = _lightning_case()
@@ -466,9 +502,9 @@ def test_engine_without_optimizer_infers_and_generates(world):
             assert "engine.step" in case["step"]
         if size > 1:  # the model gathered once for 8 decode steps, vs per step beyond the budget
             assert 0 < 3 * cases[10**9]["moved"] < cases[1000]["moved"]
-        for stage in (0, 1, 2):
-            kept, same = got[("no_optimizer", stage)]
-            assert kept == 0 and same, stage
+        for stage in (0, 1, 2, 3):
+            kept, same, no_grad_storage = got[("no_optimizer", stage)]
+            assert kept == 0 and same and no_grad_storage, stage
 
 
 def test_trainer_and_lightning_build_partitioned(world):

@@ -22,8 +22,7 @@ from .config.auto import resolve_auto
 from .config.schema import ZeroConfig, load_config, read_raw, require_supported
 from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
-from .core.no_optimizer import (REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer,
-                                release_gradient_memory)
+from .core.no_optimizer import REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.reduction import Reduction
 from .core.scaler import LossScaler
@@ -408,8 +407,6 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
         for tensor in [*model.parameters(), *model.buffers()]:
             mark_cpu_as_host(tensor)  # strict mode: a model built on the CPU is in host memory
         zopt = _make_zero_optimizer(model, torch_opt, comm, cfg, dtype, device)
-        if is_placeholder(torch_opt):
-            release_gradient_memory(zopt)
         # The units are on the device now (stage 3: one at a time, never the whole model); the
         # rest follows: frozen parameters and buffers, in the compute dtype.
         _move_rest(model, zopt, device, dtype)

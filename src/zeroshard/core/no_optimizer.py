@@ -3,8 +3,9 @@ an `optimizer` block (reference and reward models in RLHF, evaluation-only engin
 
 The model is laid out and partitioned exactly as for training (same units, same stage-3 gathers
 around each forward), but nothing is kept for training: no fp32 master or optimizer state
-(`NoPlacement` holds nothing), and the gradient storage the stage policy sets up is given back
-before `initialize()` returns, so `memory_report()` shows 0 for grads and optimizer. `backward`
+(`NoPlacement` holds nothing), and the stage policy is told to allocate no gradient storage and
+hook nothing for backward (`keeps_gradients`), so `memory_report()` shows 0 for grads and
+optimizer and no gradient-sized buffer is ever allocated. `backward`
 and `step` are refused by the engine with an error saying why.
 """
 
@@ -34,6 +35,7 @@ class NoPlacement:
     """The optimizer placement of an engine without an optimizer: no masters, no state."""
 
     name = "device"
+    keeps_gradients = False  # read by the optimizer: its stage policy allocates no gradients
 
     def __init__(self, units):
         # One empty stand-in per unit: the placeholder's param groups point at these.
@@ -70,19 +72,3 @@ class NoPlacement:
 def make_no_placement(optimizer, units, policy, compute_dtype) -> NoPlacement:
     """`make_placement`'s signature, for an engine without an optimizer."""
     return NoPlacement(units)
-
-
-def release_gradient_memory(zopt) -> None:
-    """Give back the gradient storage the stage policy allocated at setup (never used here)."""
-    policy = zopt.policy
-    if hasattr(policy, "grad_shards"):  # stages 2-3: persistent gradient shards
-        policy.grad_shards = {index: torch.empty(0, dtype=shard.dtype, device=shard.device)
-                              for index, shard in policy.grad_shards.items()}
-    if getattr(policy, "flat_grads", None):  # stages 0-1: whole gradients, viewed by .grad
-        for handle in policy.hooks:  # their only hooks re-attach .grad to those views
-            handle.remove()
-        policy.hooks.clear()
-        for unit in zopt.units:
-            for param in unit.params():
-                param.grad = None
-        policy.flat_grads = []

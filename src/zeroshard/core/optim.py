@@ -144,6 +144,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.policy.accum_dtype = accumulation_dtype(
                 compute_dtype or self.units[0].dtype,
                 getattr(self.placement, "master_dtype", torch.float32))
+        self.policy.keeps_gradients = getattr(self.placement, "keeps_gradients", True)
         self.policy.setup()
         self._reseat(optimizer)
         for unit in self.units:

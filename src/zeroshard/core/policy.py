@@ -40,6 +40,9 @@ class StagePolicy:
     accum_dtype: torch.dtype | None = None
     #: The optimizer's counter of host synchronization points (`hostsync.py`), or None.
     syncs = None
+    #: False for an engine without an optimizer (`no_optimizer.py`): `setup()` allocates no
+    #: gradient storage and hooks nothing for backward (stage 3 still gathers around forward).
+    keeps_gradients = True
 
     def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True,
                  module: torch.nn.Module | None = None):
@@ -90,7 +93,7 @@ class StagePolicy:
     def setup(self) -> None:
         """Allocate gradient storage and register hooks."""
         self.flat_grads = []
-        for unit in self.units:
+        for unit in self.units if self.keeps_gradients else []:
             flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.compute_device)
             for slot, view in unit.views(flat):
                 # autograd accumulates in place into an existing .grad, so this is zero-copy.

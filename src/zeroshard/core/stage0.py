@@ -45,7 +45,8 @@ class Stage0(StagePolicy):
         self.armed = True
         self.in_flight = deque()
         self._clear_backward()
-        if not (self.overlap and self.module is not None and self.comm.world_size > 1):
+        if not (self.overlap and self.module is not None and self.comm.world_size > 1
+                and self.keeps_gradients):
             return
         self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
         for unit in self.units:

@@ -75,6 +75,8 @@ class Stage2(StagePolicy):
         self.next_launch = 0
         self.in_flight = deque()
         self.callback_queued = False
+        if not self.keeps_gradients:
+            return  # an engine without an optimizer: nothing reduced, nothing hooked
         if self.module is not None:
             self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
         for unit in self.units:
@@ -88,6 +90,8 @@ class Stage2(StagePolicy):
         CUDA) CPU memory when the optimizer is offloaded, so the step finds its gradients where
         it runs."""
         dtype = self.accum_dtype or unit.dtype
+        if not self.keeps_gradients:
+            return torch.empty(0, dtype=dtype, device=unit.compute_device)
         if self.grad_place == "device":
             return torch.zeros(unit.shard_numel, dtype=dtype, device=unit.compute_device)
         return host_zeros(unit.shard_numel, dtype, pin=unit.compute_device.type == "cuda")

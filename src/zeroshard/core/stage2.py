@@ -50,6 +50,20 @@ class Stage2(StagePolicy):
     """Full params; gradient and optimizer shards; reduce-scatter per unit during backward."""
 
     stage = 2
+    #: Under optimizer offload, the per-unit CPU step (`offload/early.py`), handed each gradient
+    #: shard as it becomes final in a boundary backward; None: the whole step runs after backward.
+    early = None
+    boundary = False  # the engine said the backward running now ends the accumulation window
+    clean_backwards = 0  # backwards that ended without late gradients
+    saw_late = False  # a gradient reached a unit after it had landed (reentrant checkpoints)
+
+    def expect_boundary(self, boundary: bool) -> None:
+        """Remember whether this backward ends the accumulation window (for the early step)."""
+        self.boundary = boundary
+
+    def _early_ok(self) -> bool:
+        return self.early is not None and self.boundary and self.clean_backwards > 0 \
+            and not self.saw_late
 
     def setup(self) -> None:
         """Allocate persistent gradient shards and hook every managed parameter."""
@@ -178,6 +192,8 @@ class Stage2(StagePolicy):
         else:
             with host_region():  # optimizer offload: to host memory as each unit lands
                 shard.add_(to_host(reduced), alpha=alpha)
+            if self._early_ok():
+                self.early.ready(unit, shard)
         self._recycle(unit)
 
     def _land_on_side_stream(self, unit: Unit, buffer: torch.Tensor, handle) -> None:
@@ -195,8 +211,14 @@ class Stage2(StagePolicy):
                     landing = self.landing[unit.index] = host_empty(
                         reduced.numel(), reduced.dtype, pin=True)
                 landing.copy_(reduced, non_blocking=True)
-                self.landed.append(unit)
+                early = self._early_ok()
+                if not early:
+                    self.landed.append(unit)
         self.reduce_done = self.streams.record(self.streams.stream("reduce"))
+        if self.grad_place != "device" and early:  # added and stepped on the CPU step's thread
+            alpha = 1.0 / self.reduction.post_divisor(self.comm.world_size)
+            self.early.ready(unit, self.grad_shards[unit.index], self.reduce_done,
+                             self.landing[unit.index], alpha)
         self.keep_alive.append((buffer, handle))
         self._recycle(unit, self.reduce_done)
 
@@ -231,12 +253,23 @@ class Stage2(StagePolicy):
         """
         while self.in_flight:
             self._land()
+        late = [self.units[i].describe() for i in self.buffers]
+        stepped = bool(late) and self._early_ok() and self.early.active
+        self.saw_late |= bool(late)  # from now on (before these land): no early step
         for index in list(self.buffers):
             self._launch_unit(self.units[index])
         while self.in_flight:
             self._land()
         self._join_side_stream()
         self._clear_backward()
+        self.clean_backwards += not late
+        if stepped:
+            raise RuntimeError(
+                f"gradients reached {', '.join(late[:3])} after its shard had been handed to the "
+                "CPU optimizer step during this backward (a parameter reused by a later "
+                "reentrant checkpoint backward, which no earlier backward showed): this step is "
+                "wrong; load the last checkpoint, and set zero_optimization.offload_optimizer."
+                "zeroshard_step_in_backward to false for this model")
 
     def _clear_backward(self) -> None:
         """Nothing pending: every unit waits for all its gradients again."""
@@ -244,6 +277,7 @@ class Stage2(StagePolicy):
         self.launched.clear()
         self.next_launch = 0
         self.callback_queued = False
+        self.boundary = False
 
     # -- interface -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -260,6 +294,8 @@ class Stage2(StagePolicy):
 
     def reset(self) -> None:
         """Drop a backward that was cut short (an error inside it) and clear the gradients."""
+        if self.early is not None:
+            self.early.wait()  # it may still read gradient shards
         while self.in_flight:
             unit, _, handle = self.in_flight.popleft()
             if handle is not None:

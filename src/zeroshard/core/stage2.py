@@ -39,6 +39,7 @@ from collections import deque
 from functools import partial
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
@@ -56,10 +57,32 @@ class Stage2(StagePolicy):
     boundary = False  # the engine said the backward running now ends the accumulation window
     clean_backwards = 0  # backwards that ended without late gradients
     saw_late = False  # a gradient reached a unit after it had landed (reentrant checkpoints)
+    output_bad = None  # 0-dim device bool: a gradient reaching the model's outputs is inf/nan
 
     def expect_boundary(self, boundary: bool) -> None:
         """Remember whether this backward ends the accumulation window (for the early step)."""
         self.boundary = boundary
+
+    def _hook_outputs(self, module, inputs, output) -> None:
+        """As every policy; under the early CPU step also watch the outputs' gradients."""
+        super()._hook_outputs(module, inputs, output)
+        if self.early is not None and torch.is_grad_enabled():
+            for leaf in tree_leaves(output):
+                if torch.is_tensor(leaf) and leaf.requires_grad:
+                    leaf.register_hook(self._watch_output_grad)
+
+    def _watch_output_grad(self, grad: torch.Tensor) -> None:
+        # Checked on the device, never read: `_poison` spreads it through the reduce-scatter.
+        bad = ~torch.isfinite(grad).all()
+        self.output_bad = bad if self.output_bad is None else self.output_bad | bad
+
+    def _poison(self, unit: Unit, buffer: torch.Tensor) -> None:
+        """Early CPU step: when this rank's output gradient was inf/nan, put a NaN into every
+        rank's slice of the buffer, so that after the reduce-scatter every rank's shard of every
+        unit is non-finite and every unit's CPU step skips it (a NaN loss changes nothing, on any
+        rank, as with the step after backward). Finite runs are untouched (a masked fill)."""
+        if self.output_bad is not None and unit.shard_numel:
+            buffer.view(self.comm.world_size, -1)[:, 0].masked_fill_(self.output_bad, float("nan"))
 
     def _early_ok(self) -> bool:
         return self.early is not None and self.boundary and self.clean_backwards > 0 \
@@ -170,6 +193,7 @@ class Stage2(StagePolicy):
         buffer = self._buffer(unit)
         del self.buffers[unit.index]
         self._seal(unit, buffer)
+        self._poison(unit, buffer)
         self.reduction.before(buffer, self.comm.world_size)
         self.launched.add(unit.index)
         handle = self.comm.reduce_scatter(buffer, async_op=True, unit=unit)
@@ -198,6 +222,7 @@ class Stage2(StagePolicy):
 
     def _land_on_side_stream(self, unit: Unit, buffer: torch.Tensor, handle) -> None:
         """Accelerator: the landing runs on the "reduce" stream, off the compute stream."""
+        early = False
         with self.streams.on("reduce"):
             if handle is not None:
                 handle.wait()  # this (side) stream waits for the collective, not the host
@@ -278,6 +303,7 @@ class Stage2(StagePolicy):
         self.next_launch = 0
         self.callback_queued = False
         self.boundary = False
+        self.output_bad = None
 
     # -- interface -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:

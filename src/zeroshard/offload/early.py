@@ -24,9 +24,12 @@ have missed the units already stepped: an error). The updated masters are writte
 parameters by the step itself, after backward, never while backward may still read them.
 
 Inf/nan: a unit whose shard is not finite on this rank is not updated (the fused kernel masks
-it), and the step is refused as before (NonFiniteGradientError). Units of this rank whose shards
-were finite may have been updated already by then: unlike the after-backward step, parameters are
-then not all unchanged (`stepped` names them; the error says so).
+it), and the step is refused as before (NonFiniteGradientError). A non-finite gradient at the
+model's outputs (a NaN loss) is made every unit's business on every rank: the policy puts a NaN
+into every rank's slice of each unit's reduce-scatter buffer (`Stage2._poison`), so no unit is
+updated anywhere, as after backward. What remains different: an inf/nan that arises inside
+backward with finite output gradients reaches only some shards, and the units of this rank
+whose shards were finite are updated before the verdict (`updated()` lists them).
 """
 
 from __future__ import annotations

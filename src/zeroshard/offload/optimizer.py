@@ -57,8 +57,10 @@ class Placement:
         self.policy = policy
         self.name = where
         self.step_in_backward = step_in_backward and where == "cpu"
-        #: The per-unit CPU step during backward (`early.py`), when `enable_early` allowed it.
+        #: The per-unit CPU step during backward (`early.py`), when `enable_early` allowed it,
+        #: and whether the last step was taken that way.
         self.early: EarlyStep | None = None
+        self.stepped_early = False
         self.device = torch.device("cpu") if where != "device" else None
         self.pin = pin and where != "device" and torch.cuda.is_available()
         self.master_dtype = master_dtype
@@ -152,7 +154,8 @@ class Placement:
         """Scale the attached gradients by `factor` (a float, or a 0-dim tensor), step (skipped
         inside the kernels where `found_inf` is 1), and write masters back to the params. Returns
         the ids of the masters that had optimizer state before (see `forget_new_state`)."""
-        if self._early_now():
+        self.stepped_early = self._early_now()
+        if self.stepped_early:
             return self._finish_early(factor)
         factor, found_inf = self._for_step(factor, found_inf)
         grads = [m.grad for m in self.masters if m.grad is not None]
@@ -197,7 +200,7 @@ class Placement:
         """After a step the kernels skipped: drop state the step created (a skipped first step
         leaves no state, as if it never ran; fused SGD's first momentum buffer is not zeroed).
         Units stepped during backward keep the state of an update that was applied."""
-        if self.early is not None and self.early.stepped:
+        if self.stepped_early:
             applied = set(self.early.updated())
             for unit, master in zip(self.units, self.masters):
                 if id(master) not in had_state and unit.index not in applied:
@@ -281,6 +284,7 @@ class NvmePlacement(Placement):
         self.device = torch.device("cpu")
         self.step_in_backward = False  # its step goes unit by unit through I/O after backward
         self.early = None
+        self.stepped_early = False
         self.on_cuda = any(u.compute_device.type == "cuda" for u in units)
         #: Where the gradient norm is formed when there is no gradient at all.
         self.compute_device = units[0].compute_device if units else self.device

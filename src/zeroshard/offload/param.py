@@ -40,9 +40,9 @@ class CpuShardStore(ShardStore):
         #: unit index -> (device copy, event after it on the side stream): read-aheads not used yet
         self.prefetched: dict[int, tuple[torch.Tensor, object]] = {}
         self.ahead, self.ahead_numel = ahead, ahead_numel
-        #: Sources served from a read-ahead; the most read-aheads held at once.
+        #: Sources served from a read-ahead; the most read-aheads (and elements) held at once.
         self.hits = 0
-        self.peak_prefetched = 0
+        self.peak_prefetched = self.peak_numel = 0
         device = units[0].compute_device if units else torch.device("cpu")
         self.streams = Streams(device, ("h2d",))
         for unit in units:
@@ -70,6 +70,7 @@ class CpuShardStore(ShardStore):
             self.prefetched[index] = (copy, self.streams.record(self.streams.stream("h2d")))
             held += unit.shard_numel
             self.peak_prefetched = max(self.peak_prefetched, len(self.prefetched))
+            self.peak_numel = max(self.peak_numel, held)
 
     @staticmethod
     def _copies(unit: Unit) -> bool:
@@ -122,7 +123,9 @@ class NvmeShardStore(ShardStore):
         self.io = AsyncIO(threads=max(aio.thread_count, aio.intra_op_parallelism) * aio.queue_depth,
                           block_size=aio.block_size)
         self.reads: dict[int, tuple] = {}  # unit index -> (request, buffer): started reads
-        self.held: dict[int, tuple] = {}  # unit index -> (buffer, pooled): sources being gathered
+        # unit index -> (buffer, pooled, event after its copy to the device): sources being gathered
+        self.held: dict[int, tuple] = {}
+        self.streams = Streams(units[0].compute_device if units else torch.device("cpu"))
         self.writes: dict[int, list] = {}  # unit index -> write requests in flight
         for unit in units:
             self.swap.create(self._file(unit), nbytes[unit.index])
@@ -183,15 +186,18 @@ class NvmeShardStore(ShardStore):
             raise NvmeError(err.errno, f"{err} (the shard of {unit.describe()}, needed for its "
                             "all-gather); no parameter or optimizer state was changed: retry, or "
                             "load the last checkpoint") from err
-        self.held[unit.index] = (buffer, pooled)
-        # Synchronous: the staging buffer is reused as soon as the gather is done.
-        return to_device(_typed(buffer, unit), unit.compute_device, non_blocking=False)
+        # Non-blocking from a pinned buffer: the buffer goes back to the pool once the copy's
+        # event is done, waited for on an I/O thread (`done`), never by the host.
+        out = to_device(_typed(buffer, unit), unit.compute_device)
+        self.held[unit.index] = (buffer, pooled, self.streams.record())
+        return out
 
     def done(self, unit: Unit) -> None:
-        """Give the staging buffer back."""
+        """Give the staging buffer back (once its copy to the device is done)."""
         held = self.held.pop(unit.index, None)
         if held is not None and held[1]:
-            self.pool.give(held[0])
+            buffer, _, copied = held
+            self.io.after(copied, lambda: self.pool.give(buffer))
 
     def read(self, unit: Unit) -> torch.Tensor:
         """A fresh copy of the shard from disk."""
@@ -212,10 +218,16 @@ class NvmeShardStore(ShardStore):
             self.pool.give(stale[1])
         self._wait_writes(unit.index)
         buffer = self.pool.take()
-        _typed(buffer, unit).copy_(values)
+        copied = None
+        if values.device.type != "cpu" and buffer.is_pinned():
+            # A master on the device: copied without the host waiting; the I/O threads wait.
+            _typed(buffer, unit).copy_(values, non_blocking=True)
+            copied = self.streams.record()
+        else:
+            _typed(buffer, unit).copy_(values)
         self.writes.setdefault(unit.index, []).append(
             self.io.write(self.swap, self._file(unit), buffer,
-                          on_done=lambda b=buffer: self.pool.give(b)))
+                          on_done=lambda b=buffer: self.pool.give(b), before=copied))
 
     def flush(self) -> None:
         """Wait for every write; raise the first failure."""
@@ -243,7 +255,7 @@ class NvmeShardStore(ShardStore):
 
     def buffers(self) -> list[torch.Tensor]:
         """The staging pool."""
-        return self.pool.tensors() + [b for b, _ in self.held.values()] + \
+        return self.pool.tensors() + [held[0] for held in self.held.values()] + \
             [b for _, b in self.reads.values()]
 
     def nvme_bytes(self) -> int:

@@ -96,7 +96,8 @@ def _bitwise(rank):
 
 def _fallbacks(rank):
     out = {}
-    for name, config in (("clipping", _config(2, clip=1.0)), ("fp16", _config(2, precision="fp16"))):
+    for name, config in (("clipping", _config(2, clip=1.0)), ("fp16", _config(2, precision="fp16")),
+                         ("default on a CPU device", _config(2, early=None))):
         engine, _ = _engine(config)
         _train(engine, rank, steps=1)
         out[name] = _counts(engine)
@@ -273,6 +274,7 @@ def test_step_stays_after_backward_where_the_global_norm_comes_first(results):
     for got in results:
         assert got["fallbacks"]["clipping"] is None
         assert got["fallbacks"]["fp16"] is None
+        assert got["fallbacks"]["default on a CPU device"] is None
         assert got["fallbacks"]["prepare"].get("in backward", 0) == 0
 
 

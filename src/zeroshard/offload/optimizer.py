@@ -51,11 +51,13 @@ class Placement:
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], policy,
                  compute_dtype: torch.dtype | None, where: str = "device", pin: bool = False,
-                 master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False):
+                 master_dtype: torch.dtype = torch.float32, step_in_backward: bool | None = False):
         self.optimizer = optimizer
         self.units = units
         self.policy = policy
         self.name = where
+        if step_in_backward is None:  # by default where there is a device to overlap with
+            step_in_backward = any(u.compute_device.type != "cpu" for u in units)
         self.step_in_backward = step_in_backward and where == "cpu"
         #: The per-unit CPU step during backward (`early.py`), when `enable_early` allowed it,
         #: and whether the last step was taken that way.
@@ -513,7 +515,7 @@ def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int
     if device == "cpu":
         return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory,
                          master_dtype=master_dtype,
-                         step_in_backward=getattr(spec, "zeroshard_step_in_backward", True))
+                         step_in_backward=getattr(spec, "zeroshard_step_in_backward", None))
     return Placement(optimizer, units, policy, compute_dtype, master_dtype=master_dtype)
 
 

@@ -1,8 +1,9 @@
 """The CPU optimizer step per unit during backward (offload/early.py) against the step after
 backward: step time of stage 2/3 + `offload_optimizer: cpu`, fp32, AdamW, no clipping.
 
-Model: `--layers` x nn.Linear(`--width`, `--width`) with ReLU (default 12 x 1024: 12.6 M parameters),
-`reduce_bucket_size` 2 M elements (about one layer per unit), batch 32 rows per rank. Each
+Model: `--layers` x nn.Linear(`--width`, `--width`) with ReLU (default 12 x 1024: 12.6 M
+parameters), `reduce_bucket_size` 2 M elements (about one layer per unit), batch 32 rows per
+rank, the step in backward forced on (it is off by default on a CPU-only machine). Each
 setting runs in its own torchrun job (`--ranks` ranks, one torch thread each); the two settings
 alternate `--rounds` times. Reported per setting: median of the timed steps of every round, for
 the whole step (forward + backward + engine.step()) and for engine.step() alone.
@@ -36,10 +37,10 @@ def worker(args) -> None:
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers)
+    offload = {"device": "cpu", "zeroshard_step_in_backward": args.early}
     config = {"train_micro_batch_size_per_gpu": 32, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 2_000_000,
-                                    "offload_optimizer": {"device": "cpu",
-                                                          "zeroshard_step_in_backward": args.early}}}
+                                    "offload_optimizer": offload}}
     engine, *_ = zeroshard.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
     x = torch.randn(32, args.width)

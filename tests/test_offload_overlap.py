@@ -249,7 +249,8 @@ def _prefetch(rank):
 def _world(rank, world, root):
     torch.manual_seed(0)
     return {"bitwise": _bitwise(rank), "fallbacks": _fallbacks(rank),
-            "between": _between_backward_and_step(rank, root), "checkpoint": _checkpoint(rank, root),
+            "between": _between_backward_and_step(rank, root),
+            "checkpoint": _checkpoint(rank, root),
             "nan": _nan_loss(rank), "reentrant": _reentrant(rank), "syncs": _host_syncs(rank),
             "prefetch": _prefetch(rank)}
 

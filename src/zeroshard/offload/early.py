@@ -67,8 +67,8 @@ class EarlyStep:
         self.stepped: list[int] = []
         self.new_state: set[int] = set()
         self.flags: dict[int, torch.Tensor] = {}
-        #: group index -> hyper-parameters the units of that group were stepped with
-        self.hyper: dict[int, dict] = {}
+        #: group index -> the hyper-parameters each unit of that group was stepped with
+        self.hyper: dict[int, list[dict]] = {}
         self.queued = 0
         self.active = False
 
@@ -126,11 +126,13 @@ class EarlyStep:
         optimizer = placement.optimizer
         group = optimizer.param_groups[unit.group_index]
         hyper = {k: v for k, v in group.items() if k != "params"}
-        self.hyper.setdefault(unit.group_index, hyper)
+        self.hyper.setdefault(unit.group_index, []).append(
+            {k: v.clone() if torch.is_tensor(v) else v for k, v in hyper.items()})
         had_state = master in optimizer.state
         # A shallow copy stepping this master alone; its `state` is the optimizer's own dict.
         one = object.__new__(type(optimizer))
         one.__dict__.update(optimizer.__dict__)
+        one.__dict__.pop("step", None)  # a wrapper bound to the original (an LR scheduler's)
         one.param_groups = [dict(hyper, params=[master])]
         one.found_inf = found_inf
         master.grad = g
@@ -161,11 +163,12 @@ class EarlyStep:
             raise error
 
     def finish(self, groups: list[dict]) -> None:
-        """Wait for the worker and check that no hyper-parameter changed since units were stepped."""
+        """Wait for the worker; check that no hyper-parameter changed since units were stepped."""
         self.wait()
-        for index, used in self.hyper.items():
+        for index, snapshots in self.hyper.items():
             now = {k: v for k, v in groups[index].items() if k != "params"}
-            changed = [k for k in used if not _same(used[k], now.get(k))]
+            changed = sorted({k for used in snapshots for k in used
+                              if not _same(used[k], now.get(k))})
             if changed:
                 units = ", ".join(f"u{i}" for i in self.stepped[:4])
                 raise RuntimeError(

@@ -235,8 +235,12 @@ def _prefetch(rank):
     engine, _ = _engine(_config(3, param="cpu"))
     store = engine.optimizer.policy.store
     unit = next(u for u in store.units.values() if not u.is_gathered and u.shard_numel)
+    ledger_before = engine.memory_report()["buffers"].get("device", 0)
     store.read_ahead([unit.index])
     read_ahead = unit.index in store.prefetched
+    # The ledger counts the device copy under device buffers.
+    out["ledger"] = (engine.memory_report()["buffers"].get("device", 0) - ledger_before,
+                     unit.shard_numel * unit.shard.element_size())
     new = torch.full_like(unit.shard, 0.25)
     store.write(unit, new)
     source = store.source(unit)
@@ -320,3 +324,4 @@ def test_param_read_ahead_is_exact_bounded_and_never_stale(results):
         assert budget["hits"] > 0 and budget["peak_numel"] <= budget["budget"]
         assert p["none"]["hits"] == 0 and p["none"]["peak"] == 0
         assert p["stale"] == {"read_ahead": True, "fresh": True}
+        assert p["ledger"][0] == p["ledger"][1]

@@ -103,6 +103,10 @@ class CpuShardStore(ShardStore):
             stale[1].synchronize()
         super().write(unit, values)
 
+    def device_buffers(self) -> list[torch.Tensor]:
+        """Read-ahead copies not used yet, and copies feeding a gather in flight."""
+        return [t for t, _ in self.prefetched.values()] + list(self.staged.values())
+
     def close(self) -> None:
         """Drop read-aheads not used."""
         self.prefetched.clear()

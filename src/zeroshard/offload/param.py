@@ -99,8 +99,8 @@ class CpuShardStore(ShardStore):
         """Set the shard; a read-ahead of the old values is dropped (after its copy is done: it
         reads the host memory written now)."""
         stale = self.prefetched.pop(unit.index, None)
-        if stale is not None and stale[1] is not None:
-            stale[1].synchronize()
+        if stale is not None and stale[1] is not None and not stale[1].query():
+            stale[1].synchronize()  # only if that copy is somehow still running
         super().write(unit, values)
 
     def device_buffers(self) -> list[torch.Tensor]:

@@ -17,6 +17,10 @@ Step plan, after the policy has averaged the gradients:
     waited for once through an event), the step runs on the CPU with `cores / local ranks`
     threads, and the updated master goes back to the device in the compute dtype. The clip factor
     and overflow flag, computed on the device, come to the host once per step with them.
+    At stages 2-3, where nothing global is needed first (no clipping, no fp16 loss scaling), each
+    unit is instead stepped on a CPU thread as soon as its gradient shard lands during the
+    boundary backward (`early.py`; on by default with an accelerator); the step then only waits
+    for that thread and writes the masters back.
   nvme: masters and state live in swap files (`nvme.py`); the step goes unit by unit through a
     bounded pool of staging buffers: read unit i+1's master and state (`pipeline_read`) while
     stepping unit i, while unit i-1 is written back (`pipeline_write`). A staging buffer goes back

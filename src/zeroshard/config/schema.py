@@ -224,6 +224,12 @@ class OffloadOptimizerConfig(_NvmeBlock):
     pipeline_write: Bool = False
     fast_init: Bool = False
     ratio: _float(0.0, hi=1.0) = 1.0
+    zeroshard_step_in_backward: Bool | None = None
+    """zeroshard only, device "cpu" at stages 2-3: step each unit's master on the CPU as soon as
+    its gradient shard lands during the backward that ends the accumulation window (when there
+    is no clipping, no fp16 loss scaling and the optimizer is a fused torch one); false keeps the
+    whole step after backward (`offload/early.py`); None (default): on when the compute device
+    is an accelerator (on a CPU-only machine backward and the step would share the cores)."""
 
 
 class OffloadParamConfig(_NvmeBlock):

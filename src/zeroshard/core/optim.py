@@ -147,6 +147,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy.keeps_gradients = getattr(self.placement, "keeps_gradients", True)
         self.policy.setup()
         self._reseat(optimizer)
+        # Offloaded CPU step per unit during the boundary backward, where nothing global
+        # (clipping, loss scaling) has to be known first (offload/early.py).
+        enable = getattr(self.placement, "enable_early", None)
+        if stage >= 2 and enable is not None and enable(clip_norm, scaler.enabled):
+            self.policy.early = self.placement.early
         for unit in self.units:
             for param in unit.params():
                 setattr(param, OWNER_ATTR, (self, unit))

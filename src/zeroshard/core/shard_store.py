@@ -25,7 +25,7 @@ class ShardStore:
         """The gather from `source(unit)` has completed."""
 
     def read_ahead(self, indices) -> None:
-        """Start fetching the shards of upcoming units (NVMe only)."""
+        """Start fetching the shards of upcoming units (offloaded stores only)."""
 
     def read(self, unit: Unit) -> torch.Tensor:
         """The shard's current values (compute dtype)."""
@@ -48,6 +48,11 @@ class ShardStore:
 
     def buffers(self) -> list[torch.Tensor]:
         """Staging memory (for the ledger, "buffers" on the CPU)."""
+        return []
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """Copies of shards on the compute device: read ahead, or feeding a gather (for the
+        ledger, "buffers" on the device)."""
         return []
 
     def nvme_bytes(self) -> int:

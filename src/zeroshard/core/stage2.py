@@ -39,6 +39,7 @@ from collections import deque
 from functools import partial
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
@@ -50,6 +51,42 @@ class Stage2(StagePolicy):
     """Full params; gradient and optimizer shards; reduce-scatter per unit during backward."""
 
     stage = 2
+    #: Under optimizer offload, the per-unit CPU step (`offload/early.py`), handed each gradient
+    #: shard as it becomes final in a boundary backward; None: the whole step runs after backward.
+    early = None
+    boundary = False  # the engine said the backward running now ends the accumulation window
+    clean_backwards = 0  # backwards that ended without late gradients
+    saw_late = False  # a gradient reached a unit after it had landed (reentrant checkpoints)
+    output_bad = None  # 0-dim device bool: a gradient reaching the model's outputs is inf/nan
+
+    def expect_boundary(self, boundary: bool) -> None:
+        """Remember whether this backward ends the accumulation window (for the early step)."""
+        self.boundary = boundary
+
+    def _hook_outputs(self, module, inputs, output) -> None:
+        """As every policy; under the early CPU step also watch the outputs' gradients."""
+        super()._hook_outputs(module, inputs, output)
+        if self.early is not None and torch.is_grad_enabled():
+            for leaf in tree_leaves(output):
+                if torch.is_tensor(leaf) and leaf.requires_grad:
+                    leaf.register_hook(self._watch_output_grad)
+
+    def _watch_output_grad(self, grad: torch.Tensor) -> None:
+        # Checked on the device, never read: `_poison` spreads it through the reduce-scatter.
+        bad = ~torch.isfinite(grad).all()
+        self.output_bad = bad if self.output_bad is None else self.output_bad | bad
+
+    def _poison(self, unit: Unit, buffer: torch.Tensor) -> None:
+        """Early CPU step: when this rank's output gradient was inf/nan, put a NaN into every
+        rank's slice of the buffer, so that after the reduce-scatter every rank's shard of every
+        unit is non-finite and every unit's CPU step skips it (a NaN loss changes nothing, on any
+        rank, as with the step after backward). Finite runs are untouched (a masked fill)."""
+        if self.output_bad is not None and unit.shard_numel:
+            buffer.view(self.comm.world_size, -1)[:, 0].masked_fill_(self.output_bad, float("nan"))
+
+    def _early_ok(self) -> bool:
+        return self.early is not None and self.boundary and self.clean_backwards > 0 \
+            and not self.saw_late
 
     def setup(self) -> None:
         """Allocate persistent gradient shards and hook every managed parameter."""
@@ -160,6 +197,7 @@ class Stage2(StagePolicy):
         buffer = self._buffer(unit)
         del self.buffers[unit.index]
         self._seal(unit, buffer)
+        self._poison(unit, buffer)
         self.reduction.before(buffer, self.comm.world_size)
         self.launched.add(unit.index)
         handle = self.comm.reduce_scatter(buffer, async_op=True, unit=unit)
@@ -182,10 +220,13 @@ class Stage2(StagePolicy):
         else:
             with host_region():  # optimizer offload: to host memory as each unit lands
                 shard.add_(to_host(reduced), alpha=alpha)
+            if self._early_ok():
+                self.early.ready(unit, shard)
         self._recycle(unit)
 
     def _land_on_side_stream(self, unit: Unit, buffer: torch.Tensor, handle) -> None:
         """Accelerator: the landing runs on the "reduce" stream, off the compute stream."""
+        early = False
         with self.streams.on("reduce"):
             if handle is not None:
                 handle.wait()  # this (side) stream waits for the collective, not the host
@@ -199,8 +240,14 @@ class Stage2(StagePolicy):
                     landing = self.landing[unit.index] = host_empty(
                         reduced.numel(), reduced.dtype, pin=True)
                 landing.copy_(reduced, non_blocking=True)
-                self.landed.append(unit)
+                early = self._early_ok()
+                if not early:
+                    self.landed.append(unit)
         self.reduce_done = self.streams.record(self.streams.stream("reduce"))
+        if self.grad_place != "device" and early:  # added and stepped on the CPU step's thread
+            alpha = 1.0 / self.reduction.post_divisor(self.comm.world_size)
+            self.early.ready(unit, self.grad_shards[unit.index], self.reduce_done,
+                             self.landing[unit.index], alpha)
         self.keep_alive.append((buffer, handle))
         self._recycle(unit, self.reduce_done)
 
@@ -235,12 +282,23 @@ class Stage2(StagePolicy):
         """
         while self.in_flight:
             self._land()
+        late = [self.units[i].describe() for i in self.buffers]
+        stepped = bool(late) and self._early_ok() and self.early.active
+        self.saw_late |= bool(late)  # from now on (before these land): no early step
         for index in list(self.buffers):
             self._launch_unit(self.units[index])
         while self.in_flight:
             self._land()
         self._join_side_stream()
         self._clear_backward()
+        self.clean_backwards += not late
+        if stepped:
+            raise RuntimeError(
+                f"gradients reached {', '.join(late[:3])} after its shard had been handed to the "
+                "CPU optimizer step during this backward (a parameter reused by a later "
+                "reentrant checkpoint backward, which no earlier backward showed): this step is "
+                "wrong; load the last checkpoint, and set zero_optimization.offload_optimizer."
+                "zeroshard_step_in_backward to false for this model")
 
     def _clear_backward(self) -> None:
         """Nothing pending: every unit waits for all its gradients again."""
@@ -248,6 +306,8 @@ class Stage2(StagePolicy):
         self.launched.clear()
         self.next_launch = 0
         self.callback_queued = False
+        self.boundary = False
+        self.output_bad = None
 
     # -- interface -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -264,6 +324,8 @@ class Stage2(StagePolicy):
 
     def reset(self) -> None:
         """Drop a backward that was cut short (an error inside it) and clear the gradients."""
+        if self.early is not None:
+            self.early.wait()  # it may still read gradient shards
         while self.in_flight:
             unit, _, handle = self.in_flight.popleft()
             if handle is not None:

@@ -123,8 +123,10 @@ class Stage3(Stage2):
         return self.store.nvme_bytes()
 
     def buffer_tensors(self) -> list[torch.Tensor]:
-        """Gradient buffers (as stage 2) plus spare gathered-unit memory kept in the pool."""
-        return super().buffer_tensors() + (self.gathered_pool.tensors() if self.gathered_pool else [])
+        """Gradient buffers (as stage 2), device copies of offloaded shards (read ahead) and
+        spare gathered-unit memory kept in the pool."""
+        return super().buffer_tensors() + self.store.device_buffers() + \
+            (self.gathered_pool.tensors() if self.gathered_pool else [])
 
     def drain(self) -> None:
         """Finish parameter writes in flight, ignoring failures (after one was reported)."""

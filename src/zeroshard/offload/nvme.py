@@ -271,12 +271,13 @@ class AsyncIO:
                                        thread_name_prefix="zeroshard-aio")
         self.lock = threading.Lock()
 
-    def _submit(self, op, fd: int, tensor: torch.Tensor, nbytes: int, what: str, on_done):
+    def _submit(self, op, fd: int, tensor: torch.Tensor, nbytes: int, what: str, on_done,
+                before=None):
         view = byte_view(tensor.view(torch.uint8))
         futures = []
         for offset in range(0, nbytes, self.block):
             end = min(nbytes, offset + self.block)
-            futures.append(self.pool.submit(_whole, op, fd, view[offset:end], offset))
+            futures.append(self.pool.submit(_whole, op, fd, view[offset:end], offset, before))
         return Request(what, futures, on_done)
 
     def read(self, swap: SwapDir, name: str, tensor: torch.Tensor, on_done=None) -> Request:
@@ -285,19 +286,36 @@ class AsyncIO:
         return self._submit(_pread, swap.fd(name), tensor, nbytes, f"read of {swap.path(name)}",
                             on_done)
 
-    def write(self, swap: SwapDir, name: str, tensor: torch.Tensor, on_done=None) -> Request:
-        """Start writing `tensor` (an aligned buffer of the file's size) to swap file `name`."""
+    def write(self, swap: SwapDir, name: str, tensor: torch.Tensor, on_done=None,
+              before=None) -> Request:
+        """Start writing `tensor` (an aligned buffer of the file's size) to swap file `name`;
+        with `before` (a `torch.Event`: a device->host copy into `tensor`), the I/O threads wait
+        for it first, so the host never does."""
         nbytes = min(swap.sizes[name], tensor.numel() * tensor.element_size())
         return self._submit(_pwrite, swap.fd(name), tensor, nbytes, f"write of {swap.path(name)}",
-                            on_done)
+                            on_done, before)
+
+    def after(self, event, fn) -> None:
+        """Run `fn` on an I/O thread once `event` (a `torch.Event`, or None: now) is done."""
+        if event is None:
+            fn()
+            return
+
+        def wait_then():
+            event.synchronize()
+            fn()
+        self.pool.submit(wait_then)
 
     def close(self) -> None:
         """Stop the worker threads (pending requests finish first)."""
         self.pool.shutdown(wait=True)
 
 
-def _whole(op, fd: int, view: memoryview, offset: int) -> None:
-    """Run a pread/pwrite until the whole chunk is transferred (short transfers are retried)."""
+def _whole(op, fd: int, view: memoryview, offset: int, before=None) -> None:
+    """Run a pread/pwrite until the whole chunk is transferred (short transfers are retried),
+    after the event `before` if any (on this I/O thread)."""
+    if before is not None:
+        before.synchronize()
     done = 0
     while done < len(view):
         n = op(fd, view[done:], offset + done)

@@ -17,6 +17,10 @@ Step plan, after the policy has averaged the gradients:
     waited for once through an event), the step runs on the CPU with `cores / local ranks`
     threads, and the updated master goes back to the device in the compute dtype. The clip factor
     and overflow flag, computed on the device, come to the host once per step with them.
+    At stages 2-3, where nothing global is needed first (no clipping, no fp16 loss scaling), each
+    unit is instead stepped on a CPU thread as soon as its gradient shard lands during the
+    boundary backward (`early.py`; on by default with an accelerator); the step then only waits
+    for that thread and writes the masters back.
   nvme: masters and state live in swap files (`nvme.py`); the step goes unit by unit through a
     bounded pool of staging buffers: read unit i+1's master and state (`pipeline_read`) while
     stepping unit i, while unit i-1 is written back (`pipeline_write`). A staging buffer goes back
@@ -38,6 +42,7 @@ from ..core.hostmem import host_copy, host_empty, host_zeros, is_host, on_device
 from ..core.hostsync import HostSyncs
 from ..core.layout import ALIGN, Unit
 from ..core.streams import Streams
+from .early import EarlyStep
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
 
 PLACEMENT_NAMES = ("device", "cpu", "nvme")
@@ -50,11 +55,18 @@ class Placement:
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], policy,
                  compute_dtype: torch.dtype | None, where: str = "device", pin: bool = False,
-                 master_dtype: torch.dtype = torch.float32):
+                 master_dtype: torch.dtype = torch.float32, step_in_backward: bool | None = False):
         self.optimizer = optimizer
         self.units = units
         self.policy = policy
         self.name = where
+        if step_in_backward is None:  # by default where there is a device to overlap with
+            step_in_backward = any(u.compute_device.type != "cpu" for u in units)
+        self.step_in_backward = step_in_backward and where == "cpu"
+        #: The per-unit CPU step during backward (`early.py`), when `enable_early` allowed it,
+        #: and whether the last step was taken that way.
+        self.early: EarlyStep | None = None
+        self.stepped_early = False
         self.device = torch.device("cpu") if where != "device" else None
         self.pin = pin and where != "device" and torch.cuda.is_available()
         self.master_dtype = master_dtype
@@ -82,10 +94,22 @@ class Placement:
         data.copy_(owned)
         return nn.Parameter(data, requires_grad=True)
 
+    def enable_early(self, clip_norm: float, loss_scaling: bool) -> bool:
+        """Step units during the boundary backward from now on, if this run allows it (`early.py`):
+        CPU placement, no clipping, no fp16 loss scaling, a fused torch optimizer."""
+        if self.step_in_backward and clip_norm <= 0 and not loss_scaling and self.can_mask():
+            self.early = EarlyStep(self)
+        return self.early is not None
+
+    def _early_now(self) -> bool:
+        return self.early is not None and self.early.active
+
     # -- the step ----------------------------------------------------------------------------------
     def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Attach gradients (in the masters' dtype) to the masters; return the local sum of their
         squares (float64)."""
+        if self._early_now():
+            return self._early_sq_norm(grads)
         fp32 = []
         copied = False
         for i, (master, grad) in enumerate(zip(self.masters, grads)):
@@ -111,6 +135,20 @@ class Placement:
             norms = torch._foreach_norm(fp32, 2, dtype=torch.float32)
         return torch.stack(norms).double().pow(2).sum().reshape(1)
 
+    def _early_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Units were stepped during backward: wait for them (stepping any that did not land,
+        the same way) and sum the squares of the norms the worker took, in unit order."""
+        early = self.early
+        early.wait()
+        for unit, grad in zip(self.units, grads):
+            if unit.index not in early.norms:
+                early.ready(unit, grad, when="after backward")
+        early.finish(self.optimizer.param_groups)
+        if not self.units:
+            return host_zeros(1, torch.float64)
+        norms = [early.norms[u.index] for u in self.units]
+        return torch.stack(norms).double().pow(2).sum().reshape(1)
+
     def can_mask(self) -> bool:
         """Whether the step can take an overflow flag as a tensor: torch's own fused kernels only
         (a subclass or another optimizer might ignore `found_inf` and apply an inf/nan step)."""
@@ -122,6 +160,9 @@ class Placement:
         """Scale the attached gradients by `factor` (a float, or a 0-dim tensor), step (skipped
         inside the kernels where `found_inf` is 1), and write masters back to the params. Returns
         the ids of the masters that had optimizer state before (see `forget_new_state`)."""
+        self.stepped_early = self._early_now()
+        if self.stepped_early:
+            return self._finish_early(factor)
         factor, found_inf = self._for_step(factor, found_inf)
         grads = [m.grad for m in self.masters if m.grad is not None]
         _scale(grads, factor)
@@ -139,6 +180,18 @@ class Placement:
             self.policy.write_owned(unit, master.data)
         return had_state
 
+    def _finish_early(self, factor) -> set[int]:
+        """The step of units stepped during backward: write the masters back to the parameters
+        (only now: backward may have read them until its end)."""
+        if torch.is_tensor(factor) or factor != 1.0:
+            raise AssertionError(f"early CPU step with a gradient factor {factor} (clipping or "
+                                 "loss scaling should have kept the step after backward)")
+        self.early.active = False
+        for unit, master in zip(self.units, self.masters):
+            self.policy.write_owned(unit, master.data)
+        return {id(self.masters[i]) for i in range(len(self.masters))
+                if self.units[i].index not in self.early.new_state}
+
     def _for_step(self, factor, found_inf):
         """Factor and flag where the step runs: an offloaded (CPU) step needs them in host memory,
         one small copy the host waits for."""
@@ -151,7 +204,14 @@ class Placement:
 
     def forget_new_state(self, had_state: set[int]) -> None:
         """After a step the kernels skipped: drop state the step created (a skipped first step
-        leaves no state, as if it never ran; fused SGD's first momentum buffer is not zeroed)."""
+        leaves no state, as if it never ran; fused SGD's first momentum buffer is not zeroed).
+        Units stepped during backward keep the state of an update that was applied."""
+        if self.stepped_early:
+            applied = set(self.early.updated())
+            for unit, master in zip(self.units, self.masters):
+                if id(master) not in had_state and unit.index not in applied:
+                    self.optimizer.state.pop(master, None)
+            return
         for master in self.masters:
             if id(master) not in had_state:
                 self.optimizer.state.pop(master, None)
@@ -164,11 +224,20 @@ class Placement:
     # -- checkpoints and in-place edits --------------------------------------------------------------
     def tensors(self, unit: Unit) -> tuple[torch.Tensor, dict]:
         """The unit's master and its optimizer state (tensors and scalars), readable and writable."""
+        if self._early_now():
+            raise RuntimeError(
+                f"{unit.describe()}: its optimizer state is half-way through a step (units were "
+                "stepped on the CPU during the backward that ended the accumulation window); "
+                "call engine.step() before saving a checkpoint, or set zero_optimization."
+                "offload_optimizer.zeroshard_step_in_backward to false")
         master = self.masters[unit.index]
         return master.data, dict(self.optimizer.state.get(master, {}))
 
     def install(self, unit: Unit, values: torch.Tensor, state: dict | None) -> None:
         """Set the unit's master to `values` and, unless None, its state to `state`."""
+        if self.early is not None:  # loading replaces whatever a step in progress did
+            self.early.wait()
+            self.early.reset()
         master = self.masters[unit.index]
         if values.data_ptr() != master.data_ptr():
             master.data.copy_(values)
@@ -205,7 +274,9 @@ class Placement:
         return {"cpu": list(self.grad_buffers or [])}
 
     def close(self) -> None:
-        """Release files and threads (NVMe only)."""
+        """Release files and threads."""
+        if self.early is not None:
+            self.early.close()
 
 
 class NvmePlacement(Placement):
@@ -217,6 +288,9 @@ class NvmePlacement(Placement):
         self.policy = policy
         self.name = "nvme"
         self.device = torch.device("cpu")
+        self.step_in_backward = False  # its step goes unit by unit through I/O after backward
+        self.early = None
+        self.stepped_early = False
         self.on_cuda = any(u.compute_device.type == "cuda" for u in units)
         #: Where the gradient norm is formed when there is no gradient at all.
         self.compute_device = units[0].compute_device if units else self.device
@@ -444,7 +518,8 @@ def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int
         return NvmePlacement(optimizer, units, policy, compute_dtype, spec, aio, rank)
     if device == "cpu":
         return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory,
-                         master_dtype=master_dtype)
+                         master_dtype=master_dtype,
+                         step_in_backward=getattr(spec, "zeroshard_step_in_backward", None))
     return Placement(optimizer, units, policy, compute_dtype, master_dtype=master_dtype)
 
 

@@ -1,8 +1,9 @@
 """How far bf16 training drifts from fp32 training: the demo model (`zeroshard demo`'s TinyGPT),
-2 gloo ranks on CPU, the same data and initial weights, 100 steps of AdamW at each stage.
+2 gloo ranks on CPU (`--world`), the same data and initial weights, 100 steps of AdamW per stage.
 
     PYTHONPATH=src python bench/bench_precision.py [--steps 100] [--stages 0,1,2,3]
         [--comm fp32,bf16]       # communication_data_type values to run besides fp32 training
+        [--world 4] [--accum 4]  # ranks; micro-steps per optimizer step
 
 Drift is measured three ways: on all parameters together after the last step,
 ||P_bf16 - P_fp32|| / ||P_fp32 - P_init|| (the error relative to how far training moved them);
@@ -33,7 +34,8 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def _train(stage: int, precision: str, comm: str | None, steps: int, data, rank: int, world: int):
+def _train(stage: int, precision: str, comm: str | None, steps: int, data, rank: int, world: int,
+           accum: int = 1):
     import zeroshard
     from zeroshard.cli.demo import GPTConfig, TinyGPT, batch_for_step
 
@@ -41,6 +43,7 @@ def _train(stage: int, precision: str, comm: str | None, steps: int, data, rank:
     model = TinyGPT(GPTConfig())
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
+              "gradient_accumulation_steps": accum,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e5},
               "bf16": {"enabled": precision == "bf16"}}
@@ -48,13 +51,14 @@ def _train(stage: int, precision: str, comm: str | None, steps: int, data, rank:
         config["communication_data_type"] = comm
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     loss, losses = None, []
-    for step in range(steps):
+    for step in range(steps * accum):  # engine.step() steps the optimizer every `accum` calls
         x, y = batch_for_step(data, step, rank, world, 4, model.cfg.block_size, 0)
         logits = engine(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         engine.backward(loss)
         engine.step()
-        losses.append(loss.detach().float().clone())
+        if (step + 1) % accum == 0:
+            losses.append(loss.detach().float().clone())
     comm_bytes = engine.comm_report()["reduce_scatter"] + engine.comm_report()["all_reduce"]
     engine.destroy()  # whole again at stage 3
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -74,9 +78,11 @@ def _worker(rank, world, port, args, out):
     data = encode(load_corpus(200_000))
     rows = []
     for stage in args.stages:
-        init, ref, ref_loss, ref_bytes = _train(stage, "fp32", None, args.steps, data, rank, world)
+        init, ref, ref_loss, ref_bytes = _train(stage, "fp32", None, args.steps, data, rank, world,
+                                                args.accum)
         for comm in args.comm:
-            _, got, loss, nbytes = _train(stage, "bf16", comm, args.steps, data, rank, world)
+            _, got, loss, nbytes = _train(stage, "bf16", comm, args.steps, data, rank, world,
+                                          args.accum)
             worst = max(((got[n] - ref[n]).norm() / (ref[n] - init[n]).norm()).item() for n in ref)
             diff = torch.cat([(got[n] - ref[n]).reshape(-1) for n in ref]).norm()
             moved = torch.cat([(ref[n] - init[n]).reshape(-1) for n in ref]).norm()
@@ -98,13 +104,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--comm", default="default,bf16")
+    parser.add_argument("--world", type=int, default=2, help="gloo ranks")
+    parser.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--out", default="/tmp/bench_precision.json")
     args = parser.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
     args.comm = args.comm.split(",")
-    mp.start_processes(_worker, args=(2, _port(), args, args.out), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(args.world, _port(), args, args.out), nprocs=args.world,
+                       start_method="spawn")
     with open(args.out) as fh:
         rows = json.load(fh)
+    print(f"{args.world} ranks, gradient_accumulation_steps {args.accum}\n")
     print(f"| stage | bf16 run's communication_data_type | parameter drift vs fp32 after "
           f"{args.steps} steps | worst tensor | mean loss gap | final loss fp32 / bf16 "
           "| gradient bytes reduced per rank (bf16 run) |")

@@ -22,6 +22,7 @@ from .config.auto import resolve_auto
 from .config.schema import ZeroConfig, load_config, read_raw, require_supported
 from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
+from .core.hpz import check_hpz
 from .core.no_optimizer import (REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer,
                                 release_gradient_memory)
 from .core.optim import ZeroOptimizer, build_optimizer
@@ -422,6 +423,8 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
 def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfig, dtype,
                          device: torch.device) -> ZeroOptimizer:
     zero = cfg.zero_optimization
+    check_hpz(zero.zero_hpz_partition_size, zero.stage, comm.world_size,
+              zero.offload_param.device if zero.offload_param is not None else "none")
     scaler = LossScaler.from_config(cfg.fp16)
     return ZeroOptimizer(model, torch_opt, comm, stage=zero.stage,
                          bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
@@ -432,7 +435,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                              max_live_parameters=zero.stage3_max_live_parameters,
                              max_reuse_distance=zero.stage3_max_reuse_distance,
                              make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
-                                                          rank=comm.rank)),
+                                                          rank=comm.rank),
+                             hpz_partition_size=zero.zero_hpz_partition_size),
                          persistence_threshold=zero.stage3_param_persistence_threshold,
                          unit_classes=zero.zeroshard_unit_classes,
                          make_placement=make_no_placement if is_placeholder(torch_opt) else

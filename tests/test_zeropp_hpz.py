@@ -1,0 +1,230 @@
+"""ZeRO++ hpZ (zero_hpz_partition_size): bitwise equal to plain stage 3, backward gathers inside
+the host, secondary shards in the memory ledger, clear errors for bad values.
+
+One world of 4 gloo ranks laid out as 2 hosts x 2 ranks (LOCAL_WORLD_SIZE=2, as torchrun sets it)
+runs every case; hpZ uses P = 2, the ranks of one host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zeroshard
+from tests.harness import run_world
+from tests.models import lm_loss, make_batches, make_model, micro_slice
+
+WORLD = 4
+PER_HOST = 2
+STEPS = 4
+MICRO = 2
+LEAN = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0}
+PREFETCH = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1000,
+            "stage3_max_live_parameters": 1600, "stage3_max_reuse_distance": 600}
+#: (name, gradient accumulation steps, stage-3 knobs, model options, bf16)
+CASES = [("prefetch_gas3", 3, PREFETCH, {}, False),
+         ("lean_ckpt_reentrant", 1, LEAN, {"checkpoint": "reentrant"}, False),
+         ("bf16_gas2", 2, PREFETCH, {}, True)]
+
+
+def _config(gas, zero, hpz=1, bf16=False, stage=3):
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+           "gradient_clipping": 0.05,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, **zero}}
+    if hpz != 1:
+        cfg["zero_optimization"]["zero_hpz_partition_size"] = hpz
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _engine(gas, zero, hpz, bf16=False, seed=0, **model_options):
+    model = make_model(seed, **model_options)
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        config=_config(gas, zero, hpz, bf16))
+    return engine, model
+
+
+def _train(engine, batches, rank, gas):
+    for batch in batches:
+        for micro in range(gas):
+            tokens, targets = micro_slice(batch, micro, rank, WORLD, MICRO)
+            engine.backward(lm_loss(engine(tokens), targets))
+            engine.step()
+
+
+def _final(engine, model) -> dict[str, torch.Tensor]:
+    engine.destroy()  # leaves the model whole
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _equality_case(rank, name, gas, zero, options, bf16, root):
+    """Plain stage 3 for STEPS steps vs hpZ for half of them, a checkpoint round trip into a
+    fresh hpZ engine built from other weights, then the rest: bitwise equal parameters."""
+    batches = make_batches(STEPS, MICRO * gas * WORLD)
+    plain, model = _engine(gas, zero, 1, bf16, **options)
+    _train(plain, batches, rank, gas)
+    want = _final(plain, model)
+    hpz, _ = _engine(gas, zero, PER_HOST, bf16, **options)
+    _train(hpz, batches[:STEPS // 2], rank, gas)
+    held = hpz.optimizer.policy.secondary_bytes()  # dropped by the step
+    hpz.save_checkpoint(os.path.join(root, name))
+    hpz.destroy()
+    resumed, model = _engine(gas, zero, PER_HOST, bf16, seed=5, **options)
+    resumed.load_checkpoint(os.path.join(root, name))
+    _train(resumed, batches[STEPS // 2:], rank, gas)
+    got = _final(resumed, model)
+    init = dict(make_model().named_parameters())
+    return {"equal": all(torch.equal(want[n], got[n]) for n in want), "held_after_step": held,
+            "moved": all(not torch.equal(want[n], init[n].float()) for n in want
+                         if n != "unused")}
+
+
+def _per_phase(engine, tokens, targets):
+    """Ledger counts of one forward, one backward and one step: per kind, total and inter-host."""
+    comm = engine.comm
+    out = {}
+    for phase, run in (("forward", None), ("backward", None), ("step", None)):
+        comm.reset()
+        if phase == "forward":
+            loss = lm_loss(engine(tokens), targets)
+            policy = engine.optimizer.policy
+            out["memory_after_forward"] = engine.memory_report()["params"]["device"]
+            out["secondary_after_forward"] = getattr(policy, "secondary_bytes", lambda: 0)()
+        elif phase == "backward":
+            engine.backward(loss)
+        else:
+            engine.step()
+            out["memory_after_step"] = engine.memory_report()["params"]["device"]
+        out[phase] = {"all_gather": comm.bytes.get("all_gather", 0),
+                      "all_gather_inter": comm.inter_host_bytes.get("all_gather", 0),
+                      **comm.report()}
+    return out
+
+
+def _ledger_case(rank):
+    """One step (gradient accumulation 1, lean schedule) with and without hpZ, phase by phase."""
+    tokens, targets = micro_slice(make_batches(1, MICRO * WORLD)[0], 0, rank, WORLD, MICRO)
+    out = {}
+    for hpz in (1, PER_HOST):
+        engine, _ = _engine(1, LEAN, hpz)
+        policy = engine.optimizer.policy
+        out[hpz] = _per_phase(engine, tokens, targets)
+        out[hpz]["expected_secondary"] = sum(
+            policy.by_index[i].padded_numel // PER_HOST * 4 for i in policy.sharded)
+        # Every sharded unit gathered once over the world (fp32): 3/4 of it per rank, half of
+        # that over the ring's hops between hosts.
+        out[hpz]["world_once_inter"] = sum(
+            policy.by_index[i].padded_numel * 4 * 3 // 4 // 2 for i in policy.sharded)
+        out[hpz]["gas2_second_forward_inter"] = _second_forward_inter(hpz, tokens, targets)
+        engine.destroy()
+    return out
+
+
+def _second_forward_inter(hpz, tokens, targets):
+    """Under gradient accumulation, the inter-host all-gather bytes of the second forward."""
+    engine, _ = _engine(2, LEAN, hpz)
+    engine.backward(lm_loss(engine(tokens), targets))
+    engine.step()
+    engine.comm.reset()
+    engine.backward(lm_loss(engine(tokens), targets))
+    inter = engine.comm.inter_host_bytes.get("all_gather", 0)
+    engine.step()
+    engine.destroy()
+    return inter
+
+
+def _error_case(rank):
+    out = {}
+    for name, gas_cfg in (("not_dividing", _config(1, LEAN, hpz=3)),
+                          ("stage2", _config(1, {}, hpz=2, stage=2)),
+                          ("offload", _config(1, {**LEAN, "offload_param": {"device": "cpu"}},
+                                              hpz=2))):
+        model = make_model()
+        try:
+            zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 config=gas_cfg)
+            out[name] = "no error"
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def _all_cases(rank, world, root):
+    assert os.environ["LOCAL_WORLD_SIZE"] == str(PER_HOST)
+    return {"equal": {c[0]: _equality_case(rank, *c, root) for c in CASES},
+            "ledger": _ledger_case(rank), "errors": _error_case(rank)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case's per-rank results from one world of 2 hosts x 2 ranks."""
+    root = str(tmp_path_factory.mktemp("hpz_ckpt"))
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(PER_HOST)  # the ranks inherit it: 2 simulated hosts
+    try:
+        return run_world(WORLD, _all_cases, root)
+    finally:
+        if before is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_hpz_bitwise_equal_to_stage3_through_a_checkpoint(results, case):
+    for rank, res in enumerate(results):
+        got = res["equal"][case]
+        assert got["equal"], f"rank {rank}: hpZ parameters differ from plain stage 3 ({case})"
+        assert got["moved"]
+        assert got["held_after_step"] == 0, "secondary shards outlived the optimizer step"
+
+
+def test_backward_all_gathers_stay_inside_the_host(results):
+    for rank, res in enumerate(results):
+        plain, hpz = res["ledger"][1], res["ledger"][PER_HOST]
+        # Forward: each unit gathered over the world once, half of the ring's hops crossing
+        # hosts (plain stage 3 gathers the tied embedding twice: for the embedding and the head;
+        # hpZ gathers it the second time from the secondary shards).
+        assert hpz["forward"]["all_gather_inter"] == hpz["world_once_inter"] > 0
+        assert plain["forward"]["all_gather_inter"] > hpz["world_once_inter"]
+        # Backward: within the host only; the ring of 2 moves 1/2 of a unit instead of 3/4.
+        assert plain["backward"]["all_gather_inter"] > 0
+        assert hpz["backward"]["all_gather_inter"] == 0
+        assert 3 * hpz["backward"]["all_gather"] == 2 * plain["backward"]["all_gather"] > 0
+        # Gradients still cross: the reduce-scatters are the same.
+        assert hpz["backward"]["reduce_scatter"] == plain["backward"]["reduce_scatter"]
+        assert hpz["backward"]["inter_host"] == plain["backward"]["inter_host"] - \
+            plain["backward"]["all_gather_inter"]
+        per_step = sum(hpz[p]["all_gather_inter"] for p in ("forward", "backward", "step"))
+        assert per_step == hpz["forward"]["all_gather_inter"]
+        # A second micro-step's forward gathers from the secondary shards too.
+        assert res["ledger"][PER_HOST]["gas2_second_forward_inter"] == 0
+        assert res["ledger"][1]["gas2_second_forward_inter"] > 0
+
+
+def test_secondary_shards_in_the_memory_ledger(results):
+    for res in results:
+        plain, hpz = res["ledger"][1], res["ledger"][PER_HOST]
+        expected = hpz["expected_secondary"]
+        assert hpz["secondary_after_forward"] == expected > 0
+        assert hpz["memory_after_forward"] - plain["memory_after_forward"] == expected
+        assert hpz["memory_after_step"] == plain["memory_after_step"]
+
+
+def test_bad_hpz_values_are_clear_errors(results):
+    errors = results[0]["errors"]
+    assert "zero_hpz_partition_size=3 must divide the world size 4" in errors["not_dividing"]
+    assert "zero_hpz_partition_size=2 needs ZeRO stage 3" in errors["stage2"]
+    assert "offload_param" in errors["offload"]
+
+
+def test_hpz_key_no_longer_warns_as_inert(recwarn):
+    from zeroshard.config.schema import load_config
+
+    load_config(_config(1, {}, hpz=2), world_size=4)
+    assert not [w for w in recwarn if "zero_hpz_partition_size" in str(w.message)]

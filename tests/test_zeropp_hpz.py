@@ -228,3 +228,66 @@ def test_hpz_key_no_longer_warns_as_inert(recwarn):
 
     load_config(_config(1, {}, hpz=2), world_size=4)
     assert not [w for w in recwarn if "zero_hpz_partition_size" in str(w.message)]
+
+
+# -- estimate and plan ---------------------------------------------------------------------------
+
+def test_estimate_counts_the_secondary_shards():
+    from zeroshard.estimate import estimate
+    from zeroshard.sizing.hierarchy import hpz_row, inter_node_bytes
+
+    est = estimate(7.5e9, gpus=64, gpus_per_node=8, precision="bf16")
+    plain = est.row(3)
+    row = hpz_row(plain, est.params, 64, 2, 8)
+    assert row.states["params"]["device"] - plain.states["params"]["device"] == 2 * 7.5e9 / 8
+    # Inter-node bytes per GPU: stage 3's 3 Psi p (N-1)/N / G falls to stage 2's 2 Psi p (N-1)/N / G.
+    assert inter_node_bytes(row, est.params, 64, 8, 2) == \
+        pytest.approx(inter_node_bytes(est.row(2), est.params, 64, 8, 2))
+    assert inter_node_bytes(plain, est.params, 64, 8, 2) == pytest.approx(3 * 7.5e9 * 2 * 63 / 64 / 8)
+
+
+def test_estimate_matches_the_measured_secondary_shards(results):
+    """The measured secondary bytes (fp32 TinyLM, P=2) equal Psi x 4 / 2 up to padding."""
+    from zeroshard.estimate import estimate
+    from zeroshard.sizing.hierarchy import hpz_row
+
+    psi = sum(p.numel() for p in make_model().parameters())
+    est = estimate(psi, gpus=WORLD, gpus_per_node=PER_HOST, precision="fp32")
+    row = hpz_row(est.row(3), psi, WORLD, 4, PER_HOST)
+    predicted = row.states["params"]["device"] - est.row(3).states["params"]["device"]
+    measured = results[0]["ledger"][PER_HOST]["expected_secondary"]
+    assert 0 <= measured - predicted <= 4 * 16 * WORLD * 8  # padding: < 64 elements per unit
+
+
+def test_cli_estimate_hpz_row():
+    from zeroshard.cli import main as cli_main
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["estimate", "--params", "7.5e9", "--gpus", "64", "--gpus-per-node", "8",
+                         "--precision", "bf16", "--hpz", "8"]) == 0
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.getvalue().splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows["stage 3 + hpZ 8"][0] == "2.11"  # 0.234 primary + 1.875 secondary
+    assert rows["stage 3 + hpZ 8"][-1] == rows["stage 2"][-1] == "3.69"  # inter-node GB
+
+
+def test_plan_picks_hpz_on_a_slow_inter_node_link():
+    from zeroshard.estimate import GB
+    from zeroshard.sizing.plan import plan
+
+    slow = plan("30B", gpu_mem=40 * GB, gpus=32, gpus_per_node=8, inter_node_gbps=200)
+    assert slow.choice.row.stage == 3 and slow.choice.row.hpz == 8
+    assert slow.config["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert "inter-node link is slow" in slow.report() and "7.5 GB more per GPU" in slow.report()
+    zeroshard.load_config(slow.config, world_size=32)
+    fast = plan("30B", gpu_mem=40 * GB, gpus=32, gpus_per_node=8, inter_node_gbps=3200)
+    assert fast.choice.row.hpz == 1 and "hpZ not needed" in fast.report()
+    assert "zero_hpz_partition_size" not in fast.config["zero_optimization"]
+    # No room for the secondary shards: plain stage 3, and the report says why.
+    tight = plan("30B", gpu_mem=25 * GB, gpus=32, gpus_per_node=8, inter_node_gbps=200)
+    assert tight.choice.row.hpz == 1 and "do not fit" in tight.report()
+    # Without the bandwidth plan says nothing about hpZ.
+    assert plan("30B", gpu_mem=40 * GB, gpus=32, gpus_per_node=8).choice.row.hpz == 1

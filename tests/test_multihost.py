@@ -29,6 +29,7 @@ import torch
 
 from tests import cluster as simulated
 from tests.models import make_batches, reference_run
+from tests.multihost_script import LINK_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "multihost_script.py"

@@ -151,6 +151,14 @@ def _error_case(rank):
             out[name] = "no error"
         except ValueError as err:
             out[name] = str(err)
+    # Groups of 4 span both hosts of 2: it runs, and rank 0 warns that backward gathers cross.
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, _ = _engine(1, LEAN, WORLD)
+    out["spanning"] = [str(w.message) for w in caught if "zero_hpz_partition_size" in str(w.message)]
+    engine.destroy()
     return out
 
 
@@ -221,6 +229,8 @@ def test_bad_hpz_values_are_clear_errors(results):
     assert "zero_hpz_partition_size=3 must divide the world size 4" in errors["not_dividing"]
     assert "zero_hpz_partition_size=2 needs ZeRO stage 3" in errors["stage2"]
     assert "offload_param" in errors["offload"]
+    assert len(errors["spanning"]) == 1 and "span hosts of 2 ranks" in errors["spanning"][0]
+    assert all(not res["errors"]["spanning"] for res in results[1:])  # said once, by rank 0
 
 
 def test_hpz_key_no_longer_warns_as_inert(recwarn):

@@ -26,6 +26,8 @@ ledger counts them under params on the device).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -76,6 +78,11 @@ def host_group_comm(comm: Comm, size: int) -> Comm:
             mine = group
     sub = Comm(mine)
     sub.count_in(comm)
+    if sub.crossing_share > 0 and comm.rank == 0:
+        warnings.warn(
+            f"{HPZ_KEY}={size} makes groups that span hosts of {sub.layout.ranks_per_host} "
+            "ranks (LOCAL_WORLD_SIZE), so backward all-gathers still cross hosts; set it to the "
+            "ranks per host or a divisor of it", RuntimeWarning, stacklevel=2)
     watch_collectives(sub, comm.watch.timeout_s if comm.watch is not None else 0)
     return sub
 

@@ -1,8 +1,8 @@
-"""hpZ's ledger figures: bytes per step, intra- and inter-host, plain stage 3 vs hpZ, 2 hosts x 2.
+"""hpZ's and MiCS's ledger figures: bytes per step, intra/inter-host, vs plain stage 3, 2 hosts x 2.
 
 Four gloo ranks on this machine, laid out as two hosts of two (LOCAL_WORLD_SIZE=2, as torchrun
 sets it), train the demo GPT (`zeroshard demo`'s TinyGPT, 1.3 M parameters) in bf16 at stage 3
-without reuse or persistent parameters, with and without `zero_hpz_partition_size: 2`. Prints one
+without reuse or persistent parameters, plain, with `zero_hpz_partition_size: 2` and with `mics_shard_size: 2`. Prints one
 markdown row per variant: comm ledger bytes of one optimizer step (the second), split intra/inter
 host and into all-gather / reduce-scatter, and the parameter bytes the memory ledger shows right
 after a forward (secondary shards held) and after the step. The figures are the ledger's ring
@@ -40,7 +40,7 @@ def _rank(rank: int, port: int, gas: int, queue) -> None:
     from zeroshard.cli.demo import GPTConfig, TinyGPT, ds_config
 
     rows = []
-    for hpz in (1, PER_HOST):
+    for hpz, mics in ((1, -1), (PER_HOST, -1), (1, PER_HOST)):
         torch.manual_seed(0)
         model = TinyGPT(GPTConfig())
         psi = sum(p.numel() for p in model.parameters())
@@ -50,6 +50,8 @@ def _rank(rank: int, port: int, gas: int, queue) -> None:
         zero = {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
         if hpz > 1:
             zero["zero_hpz_partition_size"] = hpz
+        if mics > 0:
+            zero["mics_shard_size"] = mics
         config = {**ds_config(zero, MICRO, 1e-3), "bf16": {"enabled": True},
                   "gradient_accumulation_steps": gas}
         engine, _, _, _ = zeroshard.initialize(model=model, config=config)
@@ -66,11 +68,12 @@ def _rank(rank: int, port: int, gas: int, queue) -> None:
                 engine.step()
         report = engine.comm_report()
         comm = engine.comm
-        rows.append({"hpz": hpz, "psi": psi,
+        rows.append({"hpz": hpz, "mics": mics, "psi": psi,
                      "total": report["total"], "intra": report["intra_host"],
                      "inter": report["inter_host"], "all_gather": report["all_gather"],
                      "all_gather_inter": comm.inter_host_bytes.get("all_gather", 0),
                      "reduce_scatter": report["reduce_scatter"],
+                     "all_reduce": report["all_reduce"],
                      "params_after_forward": after_forward,
                      "params_after_step": engine.memory_report()["params"]["device"]})
         engine.destroy()
@@ -98,16 +101,19 @@ def main() -> None:
     print(f"TinyGPT, {rows[0]['psi']:,} parameters, bf16, stage 3, {WORLD} ranks as 2 hosts x "
           f"{PER_HOST}, gradient accumulation {args.gas}; rank 0, MiB per optimizer step")
     print("| variant | total | intra-host | inter-host | all-gather (inter-host) | reduce-scatter "
-          "| params after forward | params after step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| all-reduce | params after forward | params after step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        name = "stage 3" if row["hpz"] == 1 else f"stage 3 + hpZ {row['hpz']}"
+        name = "stage 3" + (f" + hpZ {row['hpz']}" if row["hpz"] > 1 else "") + \
+            (f" + MiCS {row['mics']}" if row["mics"] > 0 else "")
         print(f"| {name} | {mb(row['total'])} | {mb(row['intra'])} | {mb(row['inter'])} | "
               f"{mb(row['all_gather'])} ({mb(row['all_gather_inter'])}) | "
-              f"{mb(row['reduce_scatter'])} | {mb(row['params_after_forward'])} | "
-              f"{mb(row['params_after_step'])} |")
-    plain, hpz = rows
-    print(f"inter-host bytes hpZ / plain: {hpz['inter'] / plain['inter']:.3f}")
+              f"{mb(row['reduce_scatter'])} | {mb(row['all_reduce'])} | "
+              f"{mb(row['params_after_forward'])} | {mb(row['params_after_step'])} |")
+    plain = rows[0]
+    for row in rows[1:]:
+        print(f"inter-host bytes / plain stage 3, hpZ {row['hpz']} MiCS {row['mics']}: "
+              f"{row['inter'] / plain['inter']:.3f}")
 
 
 if __name__ == "__main__":

@@ -444,8 +444,6 @@ INERT = [
      "zero_optimization.stage3_use_all_reduce_for_fetch_params"),
     ({"zero_optimization": {"stage": 3, "memory_efficient_linear": False}},
      "zero_optimization.memory_efficient_linear"),
-    ({"zero_optimization": {"stage": 3, "mics_shard_size": 4}},
-     "zero_optimization.mics_shard_size"),
     ({"zero_optimization": {"stage": 2, "legacy_stage1": False}},
      "zero_optimization.legacy_stage1"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},

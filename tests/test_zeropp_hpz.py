@@ -1,8 +1,10 @@
 """ZeRO++ hpZ (zero_hpz_partition_size): bitwise equal to plain stage 3, backward gathers inside
-the host, secondary shards in the memory ledger, clear errors for bad values.
+the host, secondary shards in the memory ledger, clear errors for bad values. MiCS
+(mics_shard_size): equal to the single-process reference, parameter and gradient collectives
+inside the shard group.
 
 One world of 4 gloo ranks laid out as 2 hosts x 2 ranks (LOCAL_WORLD_SIZE=2, as torchrun sets it)
-runs every case; hpZ uses P = 2, the ranks of one host.
+runs every case; hpZ uses P = 2 and MiCS S = 2, the ranks of one host.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 import zeroshard
 from tests.harness import run_world
-from tests.models import lm_loss, make_batches, make_model, micro_slice
+from tests.models import lm_loss, make_batches, make_model, micro_slice, reference_run
+from tests.test_stages import _rel_error
 
 WORLD = 4
 PER_HOST = 2
@@ -30,22 +33,30 @@ CASES = [("prefetch_gas3", 3, PREFETCH, {}, False),
          ("bf16_gas2", 2, PREFETCH, {}, True)]
 
 
-def _config(gas, zero, hpz=1, bf16=False, stage=3):
+def _config(gas, zero, hpz=1, bf16=False, stage=3, mics=-1):
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
            "gradient_clipping": 0.05,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, **zero}}
     if hpz != 1:
         cfg["zero_optimization"]["zero_hpz_partition_size"] = hpz
+    if mics != -1:
+        cfg["zero_optimization"]["mics_shard_size"] = mics
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg
 
 
-def _engine(gas, zero, hpz, bf16=False, seed=0, **model_options):
+def _sgd(params):
+    """SGD with momentum: scale-sensitive, so a wrong gradient average shows up directly."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _engine(gas, zero, hpz, bf16=False, seed=0, mics=-1, optimizer=None, **model_options):
     model = make_model(seed, **model_options)
+    make = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-2))
     engine, _, _, _ = zeroshard.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-        config=_config(gas, zero, hpz, bf16))
+        model=model, optimizer=make(model.parameters()),
+        config=_config(gas, zero, hpz, bf16, mics=mics))
     return engine, model
 
 
@@ -143,7 +154,10 @@ def _error_case(rank):
     for name, gas_cfg in (("not_dividing", _config(1, LEAN, hpz=3)),
                           ("stage2", _config(1, {}, hpz=2, stage=2)),
                           ("offload", _config(1, {**LEAN, "offload_param": {"device": "cpu"}},
-                                              hpz=2))):
+                                              hpz=2)),
+                          ("mics_not_dividing", _config(1, LEAN, mics=3)),
+                          ("mics_stage2", _config(1, {}, stage=2, mics=2)),
+                          ("mics_with_hpz", _config(1, LEAN, hpz=2, mics=2))):
         model = make_model()
         try:
             zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -157,15 +171,42 @@ def _error_case(rank):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, _ = _engine(1, LEAN, WORLD)
-    out["spanning"] = [str(w.message) for w in caught if "zero_hpz_partition_size" in str(w.message)]
+    out["spanning"] = [str(w.message) for w in caught
+                       if "zero_hpz_partition_size" in str(w.message)]
     engine.destroy()
+    return out
+
+
+def _mics_case(rank, root):
+    """MiCS S=2 with accumulation, clipping and a checkpoint round trip against the reference;
+    the ledger of the last step; replicas built from different weights start from rank 0's."""
+    gas = 2
+    batches = make_batches(STEPS, MICRO * gas * WORLD)
+    ref = reference_run(lambda m: _sgd(m.parameters()), batches, 0.05)
+    # Each rank builds its model from other weights: replicas must start from rank 0's.
+    first, _ = _engine(gas, PREFETCH, 1, mics=PER_HOST, seed=rank, optimizer=_sgd)
+    _train(first, batches[:STEPS // 2], rank, gas)
+    first.save_checkpoint(os.path.join(root, "mics"))
+    first.destroy()
+    engine, model = _engine(gas, PREFETCH, 1, mics=PER_HOST, seed=5, optimizer=_sgd)
+    engine.load_checkpoint(os.path.join(root, "mics"))
+    _train(engine, batches[STEPS // 2:-1], rank, gas)
+    engine.comm.reset()
+    _train(engine, batches[-1:], rank, gas)
+    comm = engine.comm
+    out = {"shard_world": engine.optimizer.comm.world_size,
+           "ledger": {k: (comm.bytes.get(k, 0), comm.inter_host_bytes.get(k, 0))
+                      for k in ("all_gather", "reduce_scatter", "all_reduce")}}
+    engine.destroy()
+    out["error"] = _rel_error(model, ref)
     return out
 
 
 def _all_cases(rank, world, root):
     assert os.environ["LOCAL_WORLD_SIZE"] == str(PER_HOST)
     return {"equal": {c[0]: _equality_case(rank, *c, root) for c in CASES},
-            "ledger": _ledger_case(rank), "errors": _error_case(rank)}
+            "ledger": _ledger_case(rank), "errors": _error_case(rank),
+            "mics": _mics_case(rank, root)}
 
 
 @pytest.fixture(scope="module")
@@ -229,15 +270,19 @@ def test_bad_hpz_values_are_clear_errors(results):
     assert "zero_hpz_partition_size=3 must divide the world size 4" in errors["not_dividing"]
     assert "zero_hpz_partition_size=2 needs ZeRO stage 3" in errors["stage2"]
     assert "offload_param" in errors["offload"]
+    assert "mics_shard_size=3 must divide the world size 4" in errors["mics_not_dividing"]
+    assert "mics_shard_size=2 needs ZeRO stage 3" in errors["mics_stage2"]
+    assert "zero_hpz_partition_size > 1 (hpZ) is not supported" in errors["mics_with_hpz"]
     assert len(errors["spanning"]) == 1 and "span hosts of 2 ranks" in errors["spanning"][0]
     assert all(not res["errors"]["spanning"] for res in results[1:])  # said once, by rank 0
 
 
-def test_hpz_key_no_longer_warns_as_inert(recwarn):
+def test_hpz_and_mics_keys_no_longer_warn_as_inert(recwarn):
     from zeroshard.config.schema import load_config
 
-    load_config(_config(1, {}, hpz=2), world_size=4)
-    assert not [w for w in recwarn if "zero_hpz_partition_size" in str(w.message)]
+    load_config(_config(1, {}, hpz=2, mics=2), world_size=4)
+    assert not [w for w in recwarn if "zero_hpz_partition_size" in str(w.message)
+                or "mics_shard_size" in str(w.message)]
 
 
 # -- estimate and plan ---------------------------------------------------------------------------
@@ -250,10 +295,11 @@ def test_estimate_counts_the_secondary_shards():
     plain = est.row(3)
     row = hpz_row(plain, est.params, 64, 2, 8)
     assert row.states["params"]["device"] - plain.states["params"]["device"] == 2 * 7.5e9 / 8
-    # Inter-node bytes per GPU: stage 3's 3 Psi p (N-1)/N / G falls to stage 2's 2 Psi p (N-1)/N / G.
+    # Inter-node bytes per GPU: stage 3's 3 Psi p (N-1)/N / G falls to stage 2's 2 Psi p (N-1)/N/G.
     assert inter_node_bytes(row, est.params, 64, 8, 2) == \
         pytest.approx(inter_node_bytes(est.row(2), est.params, 64, 8, 2))
-    assert inter_node_bytes(plain, est.params, 64, 8, 2) == pytest.approx(3 * 7.5e9 * 2 * 63 / 64 / 8)
+    assert inter_node_bytes(plain, est.params, 64, 8, 2) == \
+        pytest.approx(3 * 7.5e9 * 2 * 63 / 64 / 8)
 
 
 def test_estimate_matches_the_measured_secondary_shards(results):
@@ -301,3 +347,23 @@ def test_plan_picks_hpz_on_a_slow_inter_node_link():
     assert tight.choice.row.hpz == 1 and "do not fit" in tight.report()
     # Without the bandwidth plan says nothing about hpZ.
     assert plan("30B", gpu_mem=40 * GB, gpus=32, gpus_per_node=8).choice.row.hpz == 1
+
+
+def test_mics_equals_the_reference_through_a_checkpoint(results):
+    """fp32 parameters within 1e-5 relative of one process on the same global batches (the
+    suite's stage-3 tolerance), though every rank built its model from other weights."""
+    for rank, res in enumerate(results):
+        got = res["mics"]
+        assert got["shard_world"] == PER_HOST
+        assert got["error"] < 1e-5, f"rank {rank}: relative error {got['error']:.2e}"
+
+
+def test_mics_keeps_parameter_and_gradient_shards_inside_the_host(results):
+    for res in results:
+        ledger = res["mics"]["ledger"]
+        assert ledger["all_gather"][0] > 0 and ledger["all_gather"][1] == 0
+        assert ledger["reduce_scatter"][0] > 0 and ledger["reduce_scatter"][1] == 0
+        # The replica all-reduce of the gradient shards crosses hosts; the gradient norm's
+        # scalar all-reduce (float64) stays in the shard group.
+        total, inter = ledger["all_reduce"]
+        assert inter > 0 and total - inter == 8

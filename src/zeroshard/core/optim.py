@@ -321,7 +321,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 def _stage3(units, comm, overlap_comm, model, layout, options: Stage3Options) -> Stage3:
-    """The stage-3 policy: plain, or with hpZ's secondary shards (zero_hpz_partition_size > 1)."""
+    """The stage-3 policy: plain, with hpZ's secondary shards (zero_hpz_partition_size > 1), or
+    over a MiCS shard group (mics_shard_size > 0)."""
+    if options.mics_replicas is not None:
+        from .mics import Stage3MiCS
+
+        return Stage3MiCS(units, comm, overlap_comm, model, layout, options,
+                          replicas=options.mics_replicas)
     if options.hpz_partition_size > 1:
         from .hpz import Stage3HPZ
 

@@ -59,6 +59,9 @@ class Stage3Options:
     None keeps them on the compute device."""
     hpz_partition_size: int = 1
     """zero_hpz_partition_size: > 1 keeps secondary shards in groups of this many ranks (`hpz.py`)."""
+    mics_replicas: Comm | None = None
+    """mics_shard_size: the replica group's Comm when the policy's Comm is a MiCS shard group
+    (`mics.py`); None: sharded over the whole world."""
 
 
 class Stage3(Stage2):

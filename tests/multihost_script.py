@@ -3,8 +3,9 @@
     zeroshard run --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
         --rdzv-endpoint 10.213.0.1:29400 --rdzv-id ID tests/multihost_script.py --out DIR
 
-1. TinyLM (tests/models.py) at stages 1, 2 and 3: rank 0 writes the final parameters to
-   DIR/stage<S>.pt for the test to compare with its single-process reference.
+1. TinyLM (tests/models.py) at stages 1, 2 and 3, and at stage 3 with ZeRO++ hpZ (secondary
+   shards inside each host: "3hpz"): rank 0 writes the final parameters to DIR/stage<S>.pt for
+   the test to compare with its single-process reference.
 2. The link: per stage, a few steps of a larger model between barriers; every rank writes
    DIR/link_rank<R>.json with its node (GROUP_RANK), its comm_report() for those steps and the
    bytes its host's interface (GLOO_SOCKET_IFNAME) sent and received meanwhile (/proc/net/dev is
@@ -41,12 +42,15 @@ LEAN = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 
         "stage3_max_reuse_distance": 0}
 
 
-def zero_section(stage: int) -> dict:
-    """Stage 3 with every parameter sharded and nothing kept gathered: exactly 3 x Psi a step."""
+def zero_section(stage) -> dict:
+    """Stage 3 with every parameter sharded and nothing kept gathered: exactly 3 x Psi a step;
+    "3hpz" adds hpZ with the ranks of one host as its group."""
+    if stage == "3hpz":
+        return {**zero_section(3), "zero_hpz_partition_size": int(os.environ["LOCAL_WORLD_SIZE"])}
     return {"stage": stage, "reduce_bucket_size": 10**9, **(LEAN if stage == 3 else {})}
 
 
-def train_tiny(stage: int, rank: int, world: int) -> dict:
+def train_tiny(stage, rank: int, world: int) -> dict:
     """TinyLM with Adam on the global batches of make_batches; the final parameters (rank 0)."""
     model = make_model()
     engine, _, _, _ = zeroshard.initialize(
@@ -73,7 +77,7 @@ def link_bytes() -> tuple[int, int]:
     raise KeyError(ifname)
 
 
-def measure_link(stage: int) -> dict:
+def measure_link(stage) -> dict:
     """comm_report() and the interface's byte counters over LINK_STEPS steps of a 1 MB model."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
@@ -123,13 +127,13 @@ def main() -> None:
     out = Path(args.out)
     zeroshard.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3, "3hpz"):
         state = train_tiny(stage, rank, world)
         if rank == 0:
             torch.save(state, out / f"stage{stage}.pt")
     link = {"rank": rank, "node": int(os.environ["GROUP_RANK"]),
             "local_rank": int(os.environ["LOCAL_RANK"]),
-            "stages": {stage: measure_link(stage) for stage in (1, 2, 3)},
+            "stages": {stage: measure_link(stage) for stage in (1, 2, 3, "3hpz")},
             "ring": measure_ring()}
     (out / f"link_rank{rank}.json").write_text(json.dumps(link))
     if args.elastic_ckpt:

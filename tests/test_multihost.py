@@ -29,6 +29,7 @@ import torch
 
 from tests import cluster as simulated
 from tests.models import make_batches, reference_run
+from tests.multihost_script import LINK_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "multihost_script.py"
@@ -157,6 +158,27 @@ def test_inter_host_ledger_matches_the_link(job, stage):
         sent = mine[0]["sent"]  # one interface per host: every rank on it reads the same counter
         assert LINK_BAND[0] * modelled <= sent <= LINK_BAND[1] * modelled, (node, sent, modelled)
         assert job.sent[node] > sent  # the whole job (the harness's counter) sent more
+
+
+def test_hpz_keeps_backward_gathers_off_the_link(job):
+    """Stage 3 with hpZ (P = 2, the ranks of a host) ends bitwise equal to plain stage 3; its
+    ledger's inter-host bytes lose exactly the backward all-gathers (Psi (N-1)/N x 1/2 per rank
+    and step, fp32), and what each host's link really sent falls with them."""
+    assert job.codes == [0, 0], job.text
+    out = job.out
+    plain, hpz = (torch.load(out / f"stage{s}.pt", weights_only=True) for s in ("3", "3hpz"))
+    assert all(torch.equal(plain[n], hpz[n]) for n in plain)
+    ranks = _link(out)
+    for got in ranks:
+        s3, with_hpz = got["stages"]["3"], got["stages"]["3hpz"]
+        backward_gathers = LINK_STEPS * s3["psi"] * 4 * (WORLD - 1) / WORLD / PER_HOST
+        assert abs(s3["inter_host"] - with_hpz["inter_host"] - backward_gathers) <= 200, got
+    for node in range(HOSTS):
+        mine = [r["stages"] for r in ranks if r["node"] == node]
+        modelled = sum(s["3hpz"]["inter_host"] for s in mine)
+        sent_plain, sent_hpz = mine[0]["3"]["sent"], mine[0]["3hpz"]["sent"]
+        assert LINK_BAND[0] * modelled <= sent_hpz <= LINK_BAND[1] * modelled, (node, mine[0])
+        assert sent_hpz < 0.85 * sent_plain, (node, sent_hpz, sent_plain)
 
 
 def test_inter_host_ledger_is_exact_for_a_ring(job):

@@ -488,6 +488,12 @@ class Comm:
         out["intra_host"], out["inter_host"] = out["total"] - inter, inter
         return out
 
+    def count_in(self, ledger: "Comm") -> None:
+        """Count this group's collectives in `ledger`'s counts from now on (a subgroup of its
+        ranks: one ledger per rank, whichever group moved the bytes; each collective keeps its
+        own group's intra-/inter-host split)."""
+        self.bytes, self.inter_host_bytes = ledger.bytes, ledger.inter_host_bytes
+
     def reset(self) -> None:
         """Zero the ledger (e.g. to measure one step)."""
         self.bytes.clear()

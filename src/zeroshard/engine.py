@@ -22,6 +22,9 @@ from .config.auto import resolve_auto
 from .config.schema import ZeroConfig, load_config, read_raw, require_supported
 from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
+from .core.hpz import check_hpz
+from .core.layout import INIT_ATTR
+from .core.mics import check_mics, mics_comms
 from .core.no_optimizer import REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.reduction import Reduction
@@ -419,8 +422,11 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
 def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfig, dtype,
                          device: torch.device) -> ZeroOptimizer:
     zero = cfg.zero_optimization
+    check_hpz(zero.zero_hpz_partition_size, zero.stage, comm.world_size,
+              zero.offload_param.device if zero.offload_param is not None else "none")
+    opt_comm, replicas = _mics_groups(model, comm, cfg)
     scaler = LossScaler.from_config(cfg.fp16)
-    return ZeroOptimizer(model, torch_opt, comm, stage=zero.stage,
+    zopt = ZeroOptimizer(model, torch_opt, opt_comm, stage=zero.stage,
                          bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
                          clip_norm=cfg.gradient_clipping, scaler=scaler,
                          overlap_comm=zero.overlap_comm is not False,
@@ -429,7 +435,9 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                              max_live_parameters=zero.stage3_max_live_parameters,
                              max_reuse_distance=zero.stage3_max_reuse_distance,
                              make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
-                                                          rank=comm.rank)),
+                                                          rank=comm.rank),
+                             hpz_partition_size=zero.zero_hpz_partition_size,
+                             mics_replicas=replicas),
                          persistence_threshold=zero.stage3_param_persistence_threshold,
                          unit_classes=zero.zeroshard_unit_classes,
                          make_placement=make_no_placement if is_placeholder(torch_opt) else
@@ -437,6 +445,22 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                              make_placement, zero.offload_optimizer if zero.stage > 0 else None,
                              cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
                          device=device, reduction=_reduction(cfg))
+    if replicas is not None:
+        zopt.world_comm = comm  # GatheredParameters' modifier_rank numbers the world
+    return zopt
+
+
+def _mics_groups(model: nn.Module, comm: Comm, cfg: ZeroConfig) -> tuple[Comm, Comm | None]:
+    """The optimizer's Comm and replica Comm: MiCS shard and replica groups when mics_shard_size
+    is set (core/mics.py), else the world's Comm and None."""
+    zero = cfg.zero_optimization
+    if zero.mics_shard_size <= 0:
+        return comm, None
+    offload = any(o is not None and o.device != "none"
+                  for o in (zero.offload_optimizer, zero.offload_param))
+    check_mics(zero.mics_shard_size, zero.stage, comm.world_size, zero.zero_hpz_partition_size,
+               offload, any(hasattr(p, INIT_ATTR) for p in model.parameters()))
+    return mics_comms(comm, zero.mics_shard_size)
 
 
 def _reduction(cfg: ZeroConfig) -> Reduction:

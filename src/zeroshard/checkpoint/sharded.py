@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
+from ..core.mics import replica_targets
 from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
                                 read_meta, seal, torch_load_verified)
 
@@ -88,16 +89,20 @@ def _placement(tensor: torch.Tensor) -> str:
     return f"{tensor.device.type}:{tensor.device.index or 0}"
 
 
-def _sharded(unit, slot, world: int, rank: int, shard: torch.Tensor) -> ShardedTensor:
+def _sharded(unit, slot, world: int, rank: int, shard: torch.Tensor,
+             as_rank: int | None = None) -> ShardedTensor:
     """The parameter `slot` as a 1-D ShardedTensor whose local piece views `shard` (fp32).
 
     Every rank's fragment is described as placed where this rank's is: the ranks share one
-    configuration, so their masters and state live in the same kind of memory."""
+    configuration, so their masters and state live in the same kind of memory. `as_rank`: the
+    global rank to place this rank's own fragments on when `rank` numbers a MiCS shard group
+    (a load target: a replica reads the fragments its shard-group position owns)."""
     metas, local = [], []
     device = _placement(shard)
     lo = unit.shard_bounds(rank)[0]
     for owner, start, end in _fragments(unit, slot, world):
-        meta = ShardMetadata([start], [end - start], f"rank:{owner}/{device}")
+        placed = as_rank if as_rank is not None and owner == rank else owner
+        meta = ShardMetadata([start], [end - start], f"rank:{placed}/{device}")
         metas.append(meta)
         if owner == rank:
             begin = slot.offset + start - lo
@@ -485,6 +490,9 @@ def _targets(engine, groups, with_optim: bool):
     """
     opt, comm = engine.optimizer, engine.comm
     world, rank = comm.world_size, comm.rank
+    # MiCS: every replica reads what its position in the shard group owns (core/mics.py).
+    mics = replica_targets(opt)
+    read_as = (*mics, rank) if mics else (world, rank, None)
     state, loaded = {}, []
     for unit in opt.units:
         master, current = opt.placement.tensors(unit)  # mapped onto swap files for NVMe
@@ -499,7 +507,7 @@ def _targets(engine, groups, with_optim: bool):
         for slot in unit.slots:
             for key, target in tensors.items():
                 name = f"model.{slot.name}" if key == "model" else f"optim.{key}.{slot.name}"
-                state[name] = _sharded(unit, slot, world, rank, target)
+                state[name] = _sharded(unit, slot, read_as[0], read_as[1], target, read_as[2])
         loaded.append((unit, tensors))
     return state, loaded
 

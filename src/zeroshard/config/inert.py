@@ -61,8 +61,6 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
      "{full} has no effect in zeroshard (checkpoints always reshard on load); ignored"),
     ("zero_optimization", "zero_quantized_weights", lambda v, c: v, _NO_EFFECT),
     ("zero_optimization", "zero_quantized_gradients", lambda v, c: v, _NO_EFFECT),
-    ("zero_optimization", "zero_hpz_partition_size", lambda v, c: v != 1, _NO_EFFECT),
-    ("zero_optimization", "mics_shard_size", lambda v, c: v > 0, _NO_EFFECT),
     # fp16-only keys say something only when fp16 is on (DeepSpeed's examples write them anyway).
     ("fp16", "auto_cast", lambda v, c: v and c.fp16.enabled,
      "{full} has no effect in zeroshard (the engine already casts floating inputs to the "

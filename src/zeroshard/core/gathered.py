@@ -103,7 +103,8 @@ def _comm_of(param: nn.Parameter) -> Comm:
     """The engine's Comm for a managed parameter (so its comm ledger counts), else a plain one."""
     owner = getattr(param, OWNER_ATTR, None)
     if owner is not None:
-        return owner[0].comm
+        # MiCS: the optimizer's Comm is its shard group; modifier_rank numbers the world.
+        return getattr(owner[0], "world_comm", None) or owner[0].comm
     owner = getattr(param, INIT_ATTR, None)
     return owner[1] if owner is not None else Comm()
 

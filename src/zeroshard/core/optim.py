@@ -125,7 +125,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 comm.broadcast(unit.flat, src=0)
         if stage == 3:
             # Stage 3 keeps only this rank's shard of each unit from here on.
-            self.policy: StagePolicy = Stage3(self.units, comm, overlap_comm, model, layout, options)
+            self.policy: StagePolicy = _stage3(self.units, comm, overlap_comm, model, layout,
+                                               options)
         else:
             self.policy = POLICIES[stage](self.units, comm, overlap_comm, model)
         # Masters are taken before casting so that they keep the full-precision initial values.
@@ -323,6 +324,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for param in unit.params():
                 if hasattr(param, OWNER_ATTR):
                     delattr(param, OWNER_ATTR)
+
+
+def _stage3(units, comm, overlap_comm, model, layout, options: Stage3Options) -> Stage3:
+    """The stage-3 policy: plain, with hpZ's secondary shards (zero_hpz_partition_size > 1), or
+    over a MiCS shard group (mics_shard_size > 0)."""
+    if options.mics_replicas is not None:
+        from .mics import Stage3MiCS
+
+        return Stage3MiCS(units, comm, overlap_comm, model, layout, options,
+                          replicas=options.mics_replicas)
+    if options.hpz_partition_size > 1:
+        from .hpz import Stage3HPZ
+
+        return Stage3HPZ(units, comm, overlap_comm, model, layout, options,
+                         hpz_partition_size=options.hpz_partition_size)
+    return Stage3(units, comm, overlap_comm, model, layout, options)
 
 
 def build_optimizer(spec, params) -> torch.optim.Optimizer:

@@ -57,6 +57,11 @@ class Stage3Options:
     make_store: Callable[[list[Unit]], ShardStore] | None = None
     """Builds the placement of the sharded units' shards (`offload_param`: CPU memory, NVMe);
     None keeps them on the compute device."""
+    hpz_partition_size: int = 1
+    """zero_hpz_partition_size: > 1 keeps secondary shards in groups of this many ranks (`hpz.py`)."""
+    mics_replicas: Comm | None = None
+    """mics_shard_size: the replica group's Comm when the policy's Comm is a MiCS shard group
+    (`mics.py`); None: sharded over the whole world."""
 
 
 class Stage3(Stage2):
@@ -256,7 +261,11 @@ class Stage3(Stage2):
             if wants_backward and self.schedule.reuse_soon(index) and \
                     self.live_numel <= self.options.max_live_parameters:
                 continue
-            self.reshard(index)
+            self._release_after_forward(index, wants_backward)
+
+    def _release_after_forward(self, index: int, wants_backward: bool) -> None:
+        """A unit's forward use is over: free it (hpZ, `hpz.py`, first keeps a secondary shard)."""
+        self.reshard(index)
 
     # -- backward ----------------------------------------------------------------------------------
     def _pre_backward(self, needs: list[int], fired: list[bool]) -> None:

@@ -9,6 +9,7 @@ import os
 
 from .estimate import OFFLOADS, PRECISIONS, STATE_BYTES, Shape, describe_model, estimate, \
     model_from_spec, parse_count
+from .hierarchy import hpz_row
 from .plan import plan, write_config
 
 
@@ -103,6 +104,9 @@ def estimate_main(argv: list[str]) -> int:
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size (elements)")
     parser.add_argument("--live-units", type=_positive, default=2,
                         help="stage-3 units gathered at once (the largest one times this)")
+    parser.add_argument("--hpz", type=_positive, default=1, metavar="P",
+                        help="add a stage-3 row with ZeRO++ hpZ (zero_hpz_partition_size=P): "
+                             "secondary parameter shards in groups of P GPUs, usually a node's")
     parser.add_argument("--json", action="store_true", help="print the structured result")
     args = parser.parse_args(argv)
     params, gpus, per_node, shape = _resolve(args)
@@ -110,6 +114,9 @@ def estimate_main(argv: list[str]) -> int:
     par = args.offload or args.offload_param
     est = estimate(params, gpus, per_node, args.precision, args.optimizer, opt, par, shape,
                    args.bucket, args.live_units)
+    if args.hpz > 1:
+        p = PRECISIONS[args.precision][0]
+        est.rows.append(hpz_row(est.row(3), params, gpus, p, args.hpz))
     if args.json:
         print(json.dumps({"params": est.params, "gpus": est.gpus,
                           "gpus_per_node": est.gpus_per_node, "precision": est.precision,
@@ -134,13 +141,17 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--nvme-path", default="/local_nvme", help="nvme_path written to the config")
     parser.add_argument("--reserve", type=float, default=0.1,
                         help="fraction of GPU and CPU memory kept free (default 0.1)")
+    parser.add_argument("--inter-node-gbps", type=float, default=None, metavar="GBPS",
+                        help="a node's inter-node bandwidth in Gbit/s (all its NICs): on a slow "
+                             "link a stage-3 choice gets ZeRO++ hpZ (zero_hpz_partition_size)")
     parser.add_argument("--out", default=None,
                         help="where the recommended config goes (default ds_config.plan.json)")
     parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     args = parser.parse_args(argv)
     params, gpus, per_node, shape = _resolve(args)
     result = plan(params, args.gpu_mem, gpus, per_node, args.cpu_mem, args.nvme_free,
-                  args.precision, args.optimizer, shape, args.reserve, args.nvme_path)
+                  args.precision, args.optimizer, shape, args.reserve, args.nvme_path,
+                  args.inter_node_gbps)
     print(result.report())
     if result.config is None:
         return 1

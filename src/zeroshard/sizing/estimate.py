@@ -33,6 +33,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from .hierarchy import inter_node_bytes
+
 GB = 1e9
 PLACES = ("device", "cpu", "nvme")
 #: Bytes of optimizer state per parameter (fp32 moments), by optimizer name.
@@ -91,6 +93,8 @@ class Row:
     """CPU <-> device bytes per rank per step under optimizer offload."""
     buffers: dict[str, float] = field(default_factory=dict)
     """Modelled device bytes: comm buckets, gathered units, activations (with / without AC)."""
+    hpz: int = 1
+    """Stage 3 with ZeRO++ hpZ secondary shards in groups of this many GPUs (`hierarchy.py`)."""
 
     def on(self, place: str) -> float:
         """Model-state bytes per rank at `place`."""
@@ -117,13 +121,14 @@ class Estimate:
         """Nodes the GPUs span."""
         return -(-self.gpus // self.gpus_per_node)
 
-    def row(self, stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> Row:
+    def row(self, stage: int, offload_optimizer: str = "none", offload_param: str = "none",
+            hpz: int = 1) -> Row:
         """The row of one configuration."""
         for row in self.rows:
-            if (row.stage, row.offload_optimizer, row.offload_param) == \
-                    (stage, offload_optimizer, offload_param):
+            if (row.stage, row.offload_optimizer, row.offload_param, row.hpz) == \
+                    (stage, offload_optimizer, offload_param, hpz):
                 return row
-        raise KeyError((stage, offload_optimizer, offload_param))
+        raise KeyError((stage, offload_optimizer, offload_param, hpz))
 
     def table(self, with_buffers: bool = False) -> str:
         """The human-readable table `zeroshard estimate` prints."""
@@ -291,7 +296,8 @@ def format_table(est: Estimate, with_buffers: bool = False) -> str:
     extra = sorted({k for r in est.rows for k in r.buffers}) if with_buffers else []
     head = (["configuration", "params", "grads", "optim", "model states / GPU"]
             + [f"{k} (modelled)" for k in extra]
-            + ["CPU / node", "NVMe / node", "comm / step / GPU", "CPU<->GPU / step / GPU"])
+            + ["CPU / node", "NVMe / node", "comm / step / GPU", "CPU<->GPU / step / GPU"]
+            + (["inter-node / step / GPU"] if est.nodes > 1 else []))
     lines = [
         f"zeroshard estimate: {est.params:,.0f} parameters, {est.gpus} GPUs "
         f"({est.gpus_per_node} per node, {est.nodes} node{'s' if est.nodes > 1 else ''}), precision {est.precision}, "
@@ -305,5 +311,8 @@ def format_table(est: Estimate, with_buffers: bool = False) -> str:
         cells += [_gb(row.buffers.get(k, 0.0)) for k in extra]
         cells += [_gb(row.on("cpu") * est.gpus_per_node), _gb(row.on("nvme") * est.gpus_per_node),
                   _gb(row.comm_bytes), _gb(row.offload_traffic)]
+        if est.nodes > 1:
+            p = bytes_per_param(est.precision, est.optimizer)[0]
+            cells.append(_gb(inter_node_bytes(row, est.params, est.gpus, est.gpus_per_node, p)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .estimate import GB, Estimate, Row, Shape, estimate, parse_count
+from .estimate import GB, Estimate, Row, Shape, bytes_per_param, estimate, parse_count
+from .hierarchy import hpz_advice
 
 #: (stage, offload_optimizer, offload_param), in classes of equal communication, cheapest first.
 CLASSES = [
@@ -57,6 +58,8 @@ class Plan:
     rejected: list[Verdict]
     config: dict | None
     estimate: Estimate
+    notes: list[str] | None = None
+    """Lines on what was added to the choice (hpZ on a slow inter-node link) and why."""
 
     def report(self) -> str:
         """What `zeroshard plan` prints."""
@@ -79,6 +82,7 @@ class Plan:
         lines.append(f"  yes: {c.describe()}: {c.device_bytes / GB:.3g} GB per GPU, "
                      f"{c.cpu_node_bytes / GB:.3g} GB CPU per node, "
                      f"{c.nvme_node_bytes / GB:.3g} GB NVMe per node")
+        lines.extend(self.notes or [])
         if c.checkpointing:
             lines.append("  enable activation checkpointing in your model (e.g. "
                          "model.gradient_checkpointing_enable(), or torch.utils.checkpoint per "
@@ -119,8 +123,11 @@ def _judge(row: Row, est: Estimate, checkpointing: bool, gpu_mem: float, cpu_mem
 def plan(params, gpu_mem: float, gpus: int = 1, gpus_per_node: int | None = None,
          cpu_mem: float | None = None, nvme_free: float | None = None, precision: str = "bf16",
          optimizer: str = "adam", shape: Shape | None = None, reserve: float = 0.1,
-         nvme_path: str = "/local_nvme") -> Plan:
-    """Try the candidates cheapest first; return the first that fits with its DeepSpeed config."""
+         nvme_path: str = "/local_nvme", inter_node_gbps: float | None = None) -> Plan:
+    """Try the candidates cheapest first; return the first that fits with its DeepSpeed config.
+
+    With `inter_node_gbps` (a node's inter-node bandwidth) a stage-3 choice on several nodes gets
+    hpZ when that link is slow and the secondary shards fit (`hierarchy.py`)."""
     if gpu_mem <= 0:
         raise ValueError(f"--gpu-mem {gpu_mem}: must be positive")
     if not 0 <= reserve < 1:
@@ -141,7 +148,13 @@ def plan(params, gpu_mem: float, gpus: int = 1, gpus_per_node: int | None = None
                     continue  # activations not modelled (no shape): AC changes nothing
                 verdict = _judge(row, est, checkpointing, gpu_mem, cpu_mem, nvme_free, reserve)
                 if verdict.fits:
-                    return Plan(verdict, rejected, _config(verdict, est, shape, nvme_path), est)
+                    p = bytes_per_param(precision, optimizer)[0]
+                    better, notes = hpz_advice(
+                        row, est, p, inter_node_gbps, lambda r, c=checkpointing: _judge(
+                            r, est, c, gpu_mem, cpu_mem, nvme_free, reserve))
+                    verdict = better or verdict
+                    return Plan(verdict, rejected, _config(verdict, est, shape, nvme_path), est,
+                                notes)
                 rejected.append(verdict)
     return Plan(None, rejected, None, est)
 
@@ -159,6 +172,8 @@ def _config(verdict: Verdict, est: Estimate, shape: Shape, nvme_path: str) -> di
         zero["stage3_param_persistence_threshold"] = int(10 * shape.hidden) if shape.hidden else 100_000
         zero["stage3_max_live_parameters"] = int(2 * (shape.largest_unit or bucket))
         zero["stage3_max_reuse_distance"] = int(shape.largest_unit or bucket)
+        if row.hpz > 1:
+            zero["zero_hpz_partition_size"] = row.hpz
     for key, where in (("offload_optimizer", row.offload_optimizer),
                        ("offload_param", row.offload_param)):
         if where == "cpu":

@@ -1,0 +1,104 @@
+"""MiCS (`mics_shard_size` = S): stage 3 sharded over groups of S ranks, replicated across groups.
+
+Parameters, gradients and optimizer state are sharded over a *shard group* of S consecutive
+ranks only (typically the ranks of one host, or of a few), so the parameter all-gathers and the
+gradient reduce-scatters never leave the group; the N/S groups are replicas of each other. The
+optimizer works over the shard group's Comm exactly as stage 3 works over the world's (units are
+padded for S shards, rank r owns shard r mod S), and the engine keeps the world's Comm for data,
+batch size and checkpoints.
+
+Communication plan, per micro-step (shard group: S consecutive ranks; replica group: the N/S
+ranks with the same position in their shard groups):
+  1. forward and backward: as stage 3 inside the shard group: all-gathers of Psi (S-1)/S per
+     gather and a reduce-scatter of Psi (S-1)/S, the gradient shards averaged over the group.
+  2. accumulation boundary: each gradient shard (Psi / S elements) is all-reduced across the
+     replica group and divided by N/S, so every replica steps the same average over all N ranks.
+     Ring cost: 2 (R-1)/R x Psi / S, R = N/S.
+  3. step: each rank steps its shard, as stage 3; replicas compute the same update.
+At construction the shards of group 0 (rank 0's weights, as everywhere in zeroshard) are
+broadcast across each replica group, so every replica starts equal.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..comm import Comm
+from .desync import watch_collectives
+from .stage3 import Stage3
+
+#: The config key, named in errors.
+MICS_KEY = "zero_optimization.mics_shard_size"
+
+
+def check_mics(size: int, stage: int, world_size: int, hpz: int = 1, offload: bool = False,
+               built_partitioned: bool = False) -> None:
+    """Refuse MiCS settings that cannot run, naming the key and what to change (no-op if off)."""
+    if size <= 0:
+        return
+    if stage != 3:
+        raise ValueError(f"{MICS_KEY}={size} needs ZeRO stage 3 (it shards parameters inside "
+                         f"groups of {size} ranks), but the stage is {stage}. Set "
+                         "zero_optimization.stage=3, or remove the key (-1 turns MiCS off)")
+    if world_size % size:
+        raise ValueError(f"{MICS_KEY}={size} must divide the world size {world_size} (shard "
+                         f"groups of {size} consecutive ranks). Use a divisor of {world_size}")
+    for cond, what in ((hpz > 1, "zero_hpz_partition_size > 1 (hpZ)"),
+                       (offload, "offload_optimizer / offload_param"),
+                       (built_partitioned, "a model built under zeroshard.Init")):
+        if cond:
+            raise ValueError(f"{MICS_KEY}={size} together with {what} is not supported; "
+                             "turn one of them off")
+
+
+def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
+    """(shard group, replica group) Comms of this rank, every group created on every rank in the
+    same order; both count in `comm`'s ledger and get `comm`'s desync deadline."""
+    world, replicas = comm.world_size, comm.world_size // size
+    shard = replica = None
+    for start in range(0, world, size):
+        group = dist.new_group([comm._ranks[r] for r in range(start, start + size)])
+        if start <= comm.rank < start + size:
+            shard = group
+    for position in range(size):
+        members = [position + k * size for k in range(replicas)]
+        group = dist.new_group([comm._ranks[r] for r in members])
+        if comm.rank in members:
+            replica = group
+    out = []
+    for group in (shard, replica):
+        sub = Comm(group)
+        sub.count_in(comm)
+        watch_collectives(sub, comm.watch.timeout_s if comm.watch is not None else 0)
+        out.append(sub)
+    return out[0], out[1]
+
+
+class Stage3MiCS(Stage3):
+    """Stage 3 over the shard group (`comm`), plus the replica all-reduce of gradient shards."""
+
+    def __init__(self, *args, replicas: Comm, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replicas = replicas
+        # Every replica starts from shard group 0's values (rank 0's weights).
+        for unit in self.units:
+            tensor = unit.shard if unit.index in self.sharded else unit.flat
+            self.replicas.broadcast(tensor, src=0, unit=unit)
+
+    def reduce_gradients(self) -> None:
+        """As stage 3, then average the gradient shards over the replica groups."""
+        super().reduce_gradients()
+        if self.replicas.world_size == 1:
+            return
+        for unit in self.units:
+            shard = self.grad_shards[unit.index]
+            self.replicas.all_reduce(shard, unit=unit)
+            shard.mul_(1.0 / self.replicas.world_size)
+
+
+def replica_targets(opt) -> tuple[int, int] | None:
+    """For checkpoints: (shard world, shard rank) when the optimizer shards over MiCS groups."""
+    if isinstance(getattr(opt, "policy", None), Stage3MiCS):
+        return opt.comm.world_size, opt.comm.rank
+    return None
+

@@ -106,7 +106,9 @@ class Stage3HPZ(Stage3):
     # -- the secondary shard's life: kept after forward, used by gathers, dropped at the step ------
     def _release_after_forward(self, index: int, wants_backward: bool) -> None:
         unit = self.by_index[index]
-        if wants_backward and index not in self.secondary and index in self.sharded and \
+        # An engine without an optimizer never steps, so it would never drop them: keep none.
+        if self.keeps_gradients and wants_backward and index not in self.secondary and \
+                index in self.sharded and \
                 unit.is_gathered and index not in self.pending and not self.pinned.get(index):
             self.secondary[index] = unit.flat[slice(*self.secondary_bounds(unit))].clone()
         super()._release_after_forward(index, wants_backward)

@@ -431,6 +431,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                              prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
                              max_live_parameters=zero.stage3_max_live_parameters,
                              max_reuse_distance=zero.stage3_max_reuse_distance,
+                             quantized_weights=zero.zero_quantized_weights,
+                             quantized_gradients=zero.zero_quantized_gradients,
                              make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
                                                           rank=comm.rank)),
                          persistence_threshold=zero.stage3_param_persistence_threshold,

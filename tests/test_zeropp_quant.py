@@ -116,11 +116,18 @@ def _train(rank, world, zero):
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
     hook.remove()
+    policy = engine.optimizer.policy
     with zeroshard.GatheredParameters(list(model.block1.parameters())):  # exact, even under qwZ
         exact = {n: p.detach().clone() for n, p in model.block1.named_parameters()}
+        gathered = [u for u in engine.optimizer.units if u.is_gathered]
+        # This rank's slot of each gathered unit holds its shard's values bit for bit.
+        own_exact = bool(gathered) and all(
+            torch.equal(u.flat[slice(*u.shard_bounds(rank))], policy.read_owned(u))
+            for u in gathered)
     engine.destroy()
     finite = all(p.isfinite().all().item() for p in model.parameters())
-    return {"losses": losses, "seen": seen, "exact": exact, "finite": finite}
+    return {"losses": losses, "seen": seen, "exact": exact, "finite": finite,
+            "own_exact": own_exact}
 
 
 def _ledger(rank, world, zero):
@@ -236,6 +243,8 @@ def test_every_rank_computes_with_the_same_weights(results, name):
 
 @pytest.mark.parametrize("name", ["qwZ", "both"])
 def test_quantized_weights_stay_near_the_exact_ones(results, name):
+    """Forward saw decoded weights near the exact ones; GatheredParameters gathers exact ones."""
+    assert all(r["train"][name]["own_exact"] for r in results)
     got = results[0]["train"][name]
     for key, exact in got["exact"].items():
         diff = (got["seen"][key] - exact).abs().max().item()

@@ -48,6 +48,10 @@ class _DecodeGather:
         if self.packed is not None:
             numel = self.output.numel() // self.rows
             dequantize_into(self.packed.view(self.rows, -1), self.output.view(self.rows, numel))
+            if self.packed.device.type == "cuda":
+                # Made on the gather stream, read here on the waiting one: the caching allocator
+                # must not hand it out again before this decode has run.
+                self.packed.record_stream(torch.cuda.current_stream(self.packed.device))
             self.packed = None
 
 

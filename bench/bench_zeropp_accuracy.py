@@ -1,4 +1,4 @@
-"""ZeRO++ accuracy: the demo GPT trained with plain stage 3 and with qwZ / qgZ, final losses compared.
+"""ZeRO++ accuracy: the demo GPT trained under plain stage 3 and with qwZ / qgZ; final losses.
 
 World of 4 CPU (gloo) ranks laid out as 2 hosts x 2 ranks (LOCAL_WORLD_SIZE=2, as torchrun sets it
 on two nodes), so qgZ's cross-host step runs. Every variant starts from the same weights and sees
@@ -7,7 +7,7 @@ the same batches (`zeroshard.cli.demo`'s model, data and config: fp32, AdamW lr 
 last 10 steps), its relative gap to plain stage 3 (target: at most 1%), and the bytes one step
 sent per rank from the comm ledger, in total and across hosts.
 
-    python bench/bench_zeropp_accuracy.py                          # plain, qwZ, qgZ, both; 200 steps
+    python bench/bench_zeropp_accuracy.py                # plain, qwZ, qgZ, both; 200 steps
     python bench/bench_zeropp_accuracy.py --steps 20 --variants plain,both          # smoke run
     python bench/bench_zeropp_accuracy.py --extra zero_hpz_partition_size=2
 
@@ -52,7 +52,8 @@ def _train(name: str, zero: dict, args) -> dict:
     import torch.nn.functional as F
 
     import zeroshard
-    from zeroshard.cli.demo import GPTConfig, TinyGPT, batch_for_step, ds_config, encode, load_corpus
+    from zeroshard.cli.demo import (GPTConfig, TinyGPT, batch_for_step, ds_config, encode,
+                                    load_corpus)
 
     data = encode(load_corpus())
     torch.manual_seed(args.seed)

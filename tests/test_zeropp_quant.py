@@ -20,7 +20,8 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config.schema import ConfigWarning, load_config
-from zeroshard.core.quantize import BLOCK, dequantize, num_blocks, packed_size, quantize
+from zeroshard.core.quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, dequantize, num_blocks,
+                                     packed_size, quantize)
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice
 
@@ -40,37 +41,39 @@ DRIFT = 0.01
 
 # -- codec ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("numel", [1, 100, BLOCK, 3 * BLOCK + 17])
+@pytest.mark.parametrize("block", [WEIGHT_BLOCK, GRADIENT_BLOCK])
+@pytest.mark.parametrize("numel", [1, 100, 256, 3 * 256 + 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_round_trip_within_half_a_scale(numel, dtype):
+def test_round_trip_within_half_a_scale(numel, dtype, block):
     gen = torch.Generator().manual_seed(numel)
     rows = (torch.randn(3, numel, generator=gen) * torch.tensor([[1e-3], [1.0], [50.0]])).to(dtype)
-    packed = quantize(rows)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_size(numel))
+    packed = quantize(rows, block)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_size(numel, block))
     # The layout, computed here: int8 values padded to 4 bytes, then one fp32 scale per block.
-    assert packed_size(numel) == math.ceil(numel / 4) * 4 + 4 * math.ceil(numel / BLOCK)
+    assert packed_size(numel, block) == math.ceil(numel / 4) * 4 + 4 * math.ceil(numel / block)
     scales = packed[:, math.ceil(numel / 4) * 4:].view(torch.float32)
-    assert scales.shape == (3, num_blocks(numel))
+    assert scales.shape == (3, num_blocks(numel, block))
     exact = rows.float()
-    for b in range(num_blocks(numel)):
-        block = exact[:, b * BLOCK:(b + 1) * BLOCK]
-        assert torch.equal(scales[:, b], block.abs().amax(dim=1) / 127)
-    back = dequantize(packed, numel, torch.float32)
-    per_element = scales.repeat_interleave(BLOCK, dim=1)[:, :numel]
+    for b in range(num_blocks(numel, block)):
+        part = exact[:, b * block:(b + 1) * block]
+        assert torch.equal(scales[:, b], part.abs().amax(dim=1) / 127)
+    back = dequantize(packed, numel, torch.float32, block)
+    per_element = scales.repeat_interleave(block, dim=1)[:, :numel]
     # Half a scale, plus fp32 rounding of the product.
     assert ((back - exact).abs() <= per_element / 2 + exact.abs() * 2.0 ** -22).all()
-    assert dequantize(packed, numel, dtype).dtype == dtype
+    assert dequantize(packed, numel, dtype, block).dtype == dtype
 
 
 def test_zeros_and_non_finite_blocks():
-    rows = torch.randn(1, 4 * BLOCK)
-    rows[0, :BLOCK] = 0
-    rows[0, BLOCK + 5] = float("inf")
-    rows[0, 2 * BLOCK + 7] = float("nan")
+    block = WEIGHT_BLOCK
+    rows = torch.randn(1, 4 * block)
+    rows[0, :block] = 0
+    rows[0, block + 5] = float("inf")
+    rows[0, 2 * block + 7] = float("nan")
     back = dequantize(quantize(rows), rows.shape[1])
-    assert torch.equal(back[0, :BLOCK], torch.zeros(BLOCK))
-    assert not back[0, BLOCK:3 * BLOCK].isfinite().any()  # the whole block: never clipped
-    assert back[0, 3 * BLOCK:].isfinite().all()  # other blocks unharmed
+    assert torch.equal(back[0, :block], torch.zeros(block))
+    assert not back[0, block:3 * block].isfinite().any()  # the whole block: never clipped
+    assert back[0, 3 * block:].isfinite().all()  # other blocks unharmed
     fp16 = torch.full((1, 10), 60000.0, dtype=torch.float16)
     fp16[0, 3] = float("-inf")
     assert not dequantize(quantize(fp16), 10, torch.float16).isfinite().any()
@@ -154,9 +157,11 @@ def _hierarchical(rank, world):
 
     comm = Comm()
     groups = HostGroups.for_comm(comm)
-    numel = 3 * BLOCK + 40  # per slot: blocks that straddle nothing, and a short last one
+    block = GRADIENT_BLOCK
+    numel = 3 * block + 40  # per slot: whole blocks and a short last one
     gen = torch.Generator().manual_seed(7)
-    buffers = torch.randn(world, world * numel, generator=gen) * torch.linspace(0.1, 10, world * numel)
+    buffers = torch.randn(world, world * numel, generator=gen) * \
+        torch.linspace(0.1, 10, world * numel)
     full = buffers[rank].clone()
     handle = groups.reduce_scatter(full)
     handle.wait()
@@ -165,9 +170,9 @@ def _hierarchical(rank, world):
     # Each rank's slot is its host's exact sum plus the other host's sum through the codec.
     other = [h for h in range(HOSTS) if h != rank // PER_HOST][0]
     partial = buffers[other * PER_HOST:(other + 1) * PER_HOST].sum(dim=0)[mine]
-    scales = torch.nn.functional.pad(partial.abs(), (0, num_blocks(numel) * BLOCK - numel)) \
-        .view(-1, BLOCK).amax(dim=1) / 127
-    bound = scales.repeat_interleave(BLOCK)[:numel] / 2 + exact.abs() * 2.0 ** -20
+    scales = torch.nn.functional.pad(partial.abs(), (0, num_blocks(numel, block) * block - numel)) \
+        .view(-1, block).amax(dim=1) / 127
+    bound = scales.repeat_interleave(block)[:numel] / 2 + exact.abs() * 2.0 ** -20
     sent = comm.report()
     groups.destroy()
     return {"within": bool(((full[mine] - exact).abs() <= bound).all()),
@@ -253,9 +258,9 @@ def test_quantized_weights_stay_near_the_exact_ones(results, name):
         assert diff <= exact.abs().max().item() / 254 * 8 + 2e-2, (key, diff)
 
 
-def _packed(numel: int) -> int:
+def _packed(numel: int, block: int) -> int:
     """Bytes of one packed row of `numel` values: int8 padded to 4 bytes + fp32 scale per block."""
-    return math.ceil(numel / 4) * 4 + 4 * math.ceil(numel / BLOCK)
+    return math.ceil(numel / 4) * 4 + 4 * math.ceil(numel / block)
 
 
 def test_ledger_counts_quantized_bytes(results):
@@ -266,9 +271,10 @@ def test_ledger_counts_quantized_bytes(results):
     assert got["plain"]["sharded"] == len(sizes)
     n, ring, cross = WORLD, (WORLD - 1) / WORLD, HOSTS / WORLD
     gather = sum(4 * s for s in sizes) * ring  # one fp32 gather of every unit
-    gather_q = sum(n * _packed(s // n) for s in sizes) * ring
+    gather_q = sum(n * _packed(s // n, WEIGHT_BLOCK) for s in sizes) * ring
     reduce_intra = sum(4 * s for s in sizes) * (PER_HOST - 1) / PER_HOST  # inside the host
-    reduce_cross = sum((HOSTS - 1) * _packed(s // n) for s in sizes)  # one packed slot per host
+    # One packed slot per other host.
+    reduce_cross = sum((HOSTS - 1) * _packed(s // n, GRADIENT_BLOCK) for s in sizes)
     expect = {  # (total, inter-host)
         "plain": (3 * gather, 3 * gather * cross),
         "qwZ": (2 * gather_q + gather, (2 * gather_q + gather) * cross),

@@ -1,9 +1,9 @@
 """ZeRO++'s quantized collectives: qwZ's int8 weight all-gather and qgZ's host-hierarchical
 gradient reduce-scatter with int8 between hosts (codec: `quantize.py`).
 
-qwZ (`quantized_all_gather`). Each rank quantizes its shard (S values) into one packed row of
-`packed_size(S)` bytes (int8 values and fp32 block scales together), the rows are all-gathered as
-uint8 through the world's `Comm`, and every rank decodes all N rows, its own included, into the
+qwZ (`quantized_all_gather`). Each rank quantizes its shard (S values, blocks of WEIGHT_BLOCK)
+into one packed row of `packed_size(S)` bytes (int8 values and fp32 block scales together), the
+rows are all-gathered as uint8 through the world's `Comm`, and every rank decodes all N rows, its own included, into the
 full buffer in the compute dtype. Decoding the own row too keeps the gathered weights identical
 on every rank (all ranks compute with the same weights); the shard itself, the fp32 masters and
 the optimizer state never see the quantization. Wire bytes: packed_size(S) per row instead of
@@ -16,8 +16,9 @@ r is rank r's after the reduction. Plan:
   2. reduce-scatter in full precision (the reduction's dtype) inside the host: local rank l now
      has its host's sums of the slots (0, l), (1, l), ... (H-1, l);
   3. across hosts, between the H ranks with local rank l: send host h' the slot (h', l)
-     quantized (one all-to-all of packed rows), and sum the H-1 rows that arrive, decoded in
-     fp32, with this host's own (exact) sum of slot (h, l) = this rank's slot.
+     quantized in blocks of GRADIENT_BLOCK (one all-to-all of packed rows), and sum the H-1
+     rows that arrive, decoded in fp32, with this host's own (exact) sum of slot (h, l), which
+     is this rank's slot.
 Only step 3 crosses hosts, with packed_size(S) bytes per peer host instead of P x S x element
 size per host under a flat ring. Quantizing happens on partial sums, so `core/reduction.py`'s
 pre-division and dtype apply unchanged before step 1 and its post-division after step 3.
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
-from .quantize import dequantize, dequantize_into, packed_size, quantize, quantize_into
+from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, dequantize, dequantize_into, packed_size,
+                       quantize, quantize_into)
 
 
 class _DecodeGather:
@@ -47,7 +49,8 @@ class _DecodeGather:
             self.handle = None
         if self.packed is not None:
             numel = self.output.numel() // self.rows
-            dequantize_into(self.packed.view(self.rows, -1), self.output.view(self.rows, numel))
+            dequantize_into(self.packed.view(self.rows, -1), self.output.view(self.rows, numel),
+                            WEIGHT_BLOCK)
             if self.packed.device.type == "cuda":
                 # Made on the gather stream, read here on the waiting one: the caching allocator
                 # must not hand it out again before this decode has run.
@@ -65,10 +68,10 @@ def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
     if output.numel() != rows * numel:
         raise ValueError(f"quantized_all_gather: output has {output.numel()} elements, expected "
                          f"{rows} x {numel} (unit {getattr(unit, 'index', '?')})")
-    width = packed_size(numel)
+    width = packed_size(numel, WEIGHT_BLOCK)
     packed = torch.empty(rows * width, dtype=torch.uint8, device=shard.device)
     own = packed[comm.rank * width:(comm.rank + 1) * width]
-    quantize_into(shard.reshape(1, numel), own.view(1, width))
+    quantize_into(shard.reshape(1, numel), own.view(1, width), WEIGHT_BLOCK)
     handle = comm.all_gather(packed, own, async_op=True, unit=unit)
     gather = _DecodeGather(handle, packed, output, rows)
     return gather if async_op else gather.wait()
@@ -152,11 +155,11 @@ class _HierarchicalReduceScatter:
         rows = self.full.view(groups.per_host, groups.hosts, numel)[groups.local]
         total = rows[groups.host].to(torch.float32, copy=True)
         others = [h for h in range(groups.hosts) if h != groups.host]
-        send = quantize(rows[others])
+        send = quantize(rows[others], GRADIENT_BLOCK)
         received = torch.empty_like(send)
         width = send.shape[1]
         splits = [0 if h == groups.host else width for h in range(groups.hosts)]
         groups.inter.all_to_all(received.view(-1), send.view(-1), splits, splits)
-        total += dequantize(received, numel).sum(dim=0)
+        total += dequantize(received, numel, torch.float32, GRADIENT_BLOCK).sum(dim=0)
         self.full[groups.rank * numel:(groups.rank + 1) * numel].copy_(total)
         self.full = None

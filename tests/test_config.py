@@ -433,8 +433,10 @@ INERT = [
      "zero_optimization.stage3_max_reuse_distance"),
     ({"zero_optimization": {"stage": 2, "round_robin_gradients": True}},
      "zero_optimization.round_robin_gradients"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
      "zero_optimization.zero_quantized_weights"),
+    ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}},
+     "zero_optimization.zero_quantized_gradients"),
     # Accepted at stage 3 but not implemented there.
     ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 1e6}},
      "zero_optimization.stage3_model_persistence_threshold"),

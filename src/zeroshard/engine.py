@@ -434,6 +434,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                              prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
                              max_live_parameters=zero.stage3_max_live_parameters,
                              max_reuse_distance=zero.stage3_max_reuse_distance,
+                             quantized_weights=zero.zero_quantized_weights,
+                             quantized_gradients=zero.zero_quantized_gradients,
                              make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
                                                           rank=comm.rank),
                              hpz_partition_size=zero.zero_hpz_partition_size,
@@ -459,7 +461,8 @@ def _mics_groups(model: nn.Module, comm: Comm, cfg: ZeroConfig) -> tuple[Comm, C
     offload = any(o is not None and o.device != "none"
                   for o in (zero.offload_optimizer, zero.offload_param))
     check_mics(zero.mics_shard_size, zero.stage, comm.world_size, zero.zero_hpz_partition_size,
-               offload, any(hasattr(p, INIT_ATTR) for p in model.parameters()))
+               offload, any(hasattr(p, INIT_ATTR) for p in model.parameters()),
+               zero.zero_quantized_weights or zero.zero_quantized_gradients)
     return mics_comms(comm, zero.mics_shard_size)
 
 

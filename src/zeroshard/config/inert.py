@@ -59,8 +59,10 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "round_robin_gradients", lambda v, c: v, _NO_EFFECT),
     ("zero_optimization", "elastic_checkpoint", lambda v, c: v,
      "{full} has no effect in zeroshard (checkpoints always reshard on load); ignored"),
-    ("zero_optimization", "zero_quantized_weights", lambda v, c: v, _NO_EFFECT),
-    ("zero_optimization", "zero_quantized_gradients", lambda v, c: v, _NO_EFFECT),
+    # ZeRO++ qwZ / qgZ (core/quantized_comm.py): stage 3 only, as in DeepSpeed (whose stages 1-2
+    # ignore them without a word).
+    *[("zero_optimization", k, lambda v, c: v and c.zero_optimization.stage < 3, _STAGE3_ONLY)
+      for k in ("zero_quantized_weights", "zero_quantized_gradients")],
     # fp16-only keys say something only when fp16 is on (DeepSpeed's examples write them anyway).
     ("fp16", "auto_cast", lambda v, c: v and c.fp16.enabled,
      "{full} has no effect in zeroshard (the engine already casts floating inputs to the "

@@ -97,6 +97,8 @@ class Stage3HPZ(Stage3):
         self.host_comm = host_group_comm(self.comm, hpz_partition_size)
         #: unit index -> this rank's 1/P slice of the unit's current full buffer.
         self.secondary: dict[int, torch.Tensor] = {}
+        #: units whose secondary shard holds qwZ-decoded weights (`quantized_comm.py`).
+        self.secondary_lossy: set[int] = set()
 
     def secondary_bounds(self, unit: Unit) -> tuple[int, int]:
         """`[start, end)` of this rank's secondary shard in the unit's flat buffer."""
@@ -111,13 +113,18 @@ class Stage3HPZ(Stage3):
                 index in self.sharded and \
                 unit.is_gathered and index not in self.pending and not self.pinned.get(index):
             self.secondary[index] = unit.flat[slice(*self.secondary_bounds(unit))].clone()
+            if index in self.lossy:  # qwZ: a copy of decoded int8 blocks, not the exact weights
+                self.secondary_lossy.add(index)
         super()._release_after_forward(index, wants_backward)
 
-    def _issue(self, unit: Unit) -> None:
+    def _issue(self, unit: Unit, exact: bool = False) -> None:
         secondary = self.secondary.get(unit.index)
-        if secondary is None or unit.index in self.pending or unit.is_gathered:
-            super()._issue(unit)
+        if secondary is None or unit.index in self.pending or unit.is_gathered or \
+                (exact and unit.index in self.secondary_lossy):
+            super()._issue(unit, exact)
             return
+        if unit.index in self.secondary_lossy:
+            self.lossy.add(unit.index)  # the same decoded weights the forward used
         flat = unit.allocate(self.gathered_pool)
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
@@ -129,8 +136,10 @@ class Stage3HPZ(Stage3):
         """Forget the secondary shards (of one unit, or all): the parameters changed."""
         if index is None:
             self.secondary.clear()
+            self.secondary_lossy.clear()
         else:
             self.secondary.pop(index, None)
+            self.secondary_lossy.discard(index)
 
     def secondary_bytes(self) -> int:
         """Bytes of secondary shards held now."""

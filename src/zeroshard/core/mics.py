@@ -32,7 +32,7 @@ MICS_KEY = "zero_optimization.mics_shard_size"
 
 
 def check_mics(size: int, stage: int, world_size: int, hpz: int = 1, offload: bool = False,
-               built_partitioned: bool = False) -> None:
+               built_partitioned: bool = False, quantized: bool = False) -> None:
     """Refuse MiCS settings that cannot run, naming the key and what to change (no-op if off)."""
     if size <= 0:
         return
@@ -45,7 +45,8 @@ def check_mics(size: int, stage: int, world_size: int, hpz: int = 1, offload: bo
                          f"groups of {size} consecutive ranks). Use a divisor of {world_size}")
     for cond, what in ((hpz > 1, "zero_hpz_partition_size > 1 (hpZ)"),
                        (offload, "offload_optimizer / offload_param"),
-                       (built_partitioned, "a model built under zeroshard.Init")):
+                       (built_partitioned, "a model built under zeroshard.Init"),
+                       (quantized, "zero_quantized_weights / zero_quantized_gradients")):
         if cond:
             raise ValueError(f"{MICS_KEY}={size} together with {what} is not supported; "
                              "turn one of them off")

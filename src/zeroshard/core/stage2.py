@@ -200,10 +200,15 @@ class Stage2(StagePolicy):
         self._poison(unit, buffer)
         self.reduction.before(buffer, self.comm.world_size)
         self.launched.add(unit.index)
-        handle = self.comm.reduce_scatter(buffer, async_op=True, unit=unit)
+        handle = self._reduce_scatter(buffer, unit)
         self.in_flight.append((unit, buffer, handle))
         while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
             self._land()
+
+    def _reduce_scatter(self, buffer: torch.Tensor, unit: Unit):
+        """Start summing `buffer` over the ranks into this rank's slot of it; returns the handle
+        (stage 3 under zero_quantized_gradients reduces host by host instead)."""
+        return self.comm.reduce_scatter(buffer, async_op=True, unit=unit)
 
     def _land(self) -> None:
         unit, buffer, handle = self.in_flight.popleft()

@@ -25,6 +25,12 @@ Communication plan, per micro-step (each collective names its unit to the desync
   4. step (accumulation boundary): rank r steps only its shards. Persistent parameters are then
      all-gathered as at stage 2; sharded units need nothing (their next use gathers them).
 Total per micro-step: 3 x Psi x (N-1)/N, as in the ZeRO paper.
+
+ZeRO++ (`quantized_comm.py`): under `zero_quantized_weights` (qwZ) the gathers of steps 1-2 send
+int8 blocks with fp32 scales (about Psi x (1 + 4/256) bytes instead of Psi x element size per
+gather); gathers whose weights a user reads (GatheredParameters, `close`) and the persistent
+units stay exact. Under `zero_quantized_gradients` (qgZ) with more than one host, step 3 reduces
+inside the host in full precision, then across hosts int8-quantized.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm import Comm
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
+from .quantized_comm import HostGroups, quantized_all_gather
 from .schedule import Schedule
 from .shard_store import ShardStore
 from .stage2 import Stage2
@@ -62,6 +69,12 @@ class Stage3Options:
     mics_replicas: Comm | None = None
     """mics_shard_size: the replica group's Comm when the policy's Comm is a MiCS shard group
     (`mics.py`); None: sharded over the whole world."""
+    quantized_weights: bool = False
+    """`zero_quantized_weights` (ZeRO++ qwZ): the forward/backward gathers of sharded units send
+    int8 blocks (`quantized_comm.py`)."""
+    quantized_gradients: bool = False
+    """`zero_quantized_gradients` (ZeRO++ qgZ): gradients are reduced inside each host, then
+    across hosts int8-quantized (more than one host only)."""
 
 
 class Stage3(Stage2):
@@ -90,6 +103,8 @@ class Stage3(Stage2):
         self.live_numel = 0
         self.peak_live_numel = 0
         self.store = ShardStore([u for u in units if u.index in self.sharded])
+        self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
+        self.host_groups: HostGroups | None = None  # qgZ's process groups (set up in setup())
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -142,7 +157,7 @@ class Stage3(Stage2):
         return self.store.buffers() + super().offload_buffer_tensors()
 
     # -- unshard / reshard -----------------------------------------------------------------------
-    def _issue(self, unit: Unit) -> None:
+    def _issue(self, unit: Unit, exact: bool = False) -> None:
         """Start gathering `unit` into its full buffer (no-op if gathered or on its way)."""
         if unit.index in self.pending or unit.is_gathered:
             return
@@ -156,18 +171,32 @@ class Stage3(Stage2):
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         with self.streams.on("gather"):
-            handle = self.comm.all_gather(flat, source, async_op=True, unit=unit)
+            handle = self._gather(flat, source, unit, exact)
         self.pending[unit.index] = _Gather(handle, self.store, unit)
 
-    def unshard(self, indices) -> None:
-        """Make the listed sharded units whole on this rank (waits for them)."""
+    def _gather(self, flat: torch.Tensor, source: torch.Tensor, unit: Unit, exact: bool):
+        """Start the all-gather of `unit`'s shards into `flat`: quantized under qwZ unless
+        `exact` (weights a user reads or modifies: GatheredParameters, close)."""
+        if self.options.quantized_weights and not exact and self.comm.world_size > 1:
+            self.lossy.add(unit.index)
+            return quantized_all_gather(self.comm, flat, source, async_op=True, unit=unit)
+        return self.comm.all_gather(flat, source, async_op=True, unit=unit)
+
+    def unshard(self, indices, exact: bool = False) -> None:
+        """Make the listed sharded units whole on this rank (waits for them); `exact`: with the
+        exact weights even under qwZ."""
         todo = [i for i in indices if i in self.sharded]
         for index in todo:
-            self._issue(self.by_index[index])
+            self._issue(self.by_index[index], exact)
         for index in todo:
             handle = self.pending.pop(index, None)
             if handle is not None:
                 handle.wait()
+            if exact and index in self.lossy:  # gathered quantized before: gather it again
+                unit = self.by_index[index]
+                self.comm.all_gather(unit.flat, self.store.source(unit), unit=unit)
+                self.store.done(unit)
+                self.lossy.discard(index)
             set_status(self.by_index[index], ZeroParamStatus.AVAILABLE)
 
     def reshard(self, index: int) -> None:
@@ -179,6 +208,7 @@ class Stage3(Stage2):
         if handle is not None:
             handle.wait()  # never free storage a collective is still writing
         unit.release(self.gathered_pool)
+        self.lossy.discard(index)
         self.live_numel -= unit.padded_numel
 
     def reshard_all(self) -> None:
@@ -211,6 +241,8 @@ class Stage3(Stage2):
         sharded = [u for u in self.units if u.index in self.sharded]
         self.store = self.options.make_store(sharded) if self.options.make_store else \
             ShardStore(sharded)
+        if self.options.quantized_gradients:
+            self.host_groups = HostGroups.for_comm(self.comm)
         for module in self.layout.modules:
             needs = self.layout.needs[id(module)]
             borrowed = self.layout.borrowed.get(id(module), [])
@@ -299,6 +331,12 @@ class Stage3(Stage2):
         super()._launch_unit(unit)
         self.reshard(unit.index)
 
+    def _reduce_scatter(self, buffer: torch.Tensor, unit: Unit):
+        """qgZ across hosts (`quantized_comm.py`); otherwise stage 2's reduce-scatter."""
+        if self.host_groups is not None:
+            return self.host_groups.reduce_scatter(buffer, unit=unit)
+        return super()._reduce_scatter(buffer, unit)
+
     def _end_of_backward(self) -> None:
         for unit in self.units:
             if unit.index not in self.launched:
@@ -339,7 +377,7 @@ class Stage3(Stage2):
         indices = sorted(i for i in set(indices) if i in self.sharded)
         for index in indices:
             self.pinned[index] = self.pinned.get(index, 0) + 1
-        self.unshard(indices)
+        self.unshard(indices, exact=True)
 
     def unpin(self, indices) -> None:
         """Undo one `pin`; units no module is running are freed."""
@@ -363,9 +401,12 @@ class Stage3(Stage2):
             self.pinned.pop(index, None)
         try:
             if keep_parameters:
-                self.unshard(sorted(self.sharded))
+                self.unshard(sorted(self.sharded), exact=True)
         finally:
             self.store.close()
+            if self.host_groups is not None:
+                self.host_groups.destroy()
+                self.host_groups = None
 
 
 class _Gather:

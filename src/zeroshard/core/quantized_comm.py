@@ -1,0 +1,165 @@
+"""ZeRO++'s quantized collectives: qwZ's int8 weight all-gather and qgZ's host-hierarchical
+gradient reduce-scatter with int8 between hosts (codec: `quantize.py`).
+
+qwZ (`quantized_all_gather`). Each rank quantizes its shard (S values, blocks of WEIGHT_BLOCK)
+into one packed row of `packed_size(S)` bytes (int8 values and fp32 block scales together), the
+rows are all-gathered as uint8 through the world's `Comm`, and every rank decodes all N rows, its own included, into the
+full buffer in the compute dtype. Decoding the own row too keeps the gathered weights identical
+on every rank (all ranks compute with the same weights); the shard itself, the fp32 masters and
+the optimizer state never see the quantization. Wire bytes: packed_size(S) per row instead of
+S x element size (about 1/4 of fp32, 1/2 of bf16/fp16).
+
+qgZ (`HostGroups.reduce_scatter`), for N = H hosts x P ranks (torchrun's layout: global rank
+r = h*P + l on host h, local rank l). The unit's gradient buffer holds N slots of S values; slot
+r is rank r's after the reduction. Plan:
+  1. permute the slots so that local rank l's chunk holds the slots (h, l) of every host h;
+  2. reduce-scatter in full precision (the reduction's dtype) inside the host: local rank l now
+     has its host's sums of the slots (0, l), (1, l), ... (H-1, l);
+  3. across hosts, between the H ranks with local rank l: send host h' the slot (h', l)
+     quantized in blocks of GRADIENT_BLOCK (one all-to-all of packed rows), and sum the H-1
+     rows that arrive, decoded in fp32, with this host's own (exact) sum of slot (h, l), which
+     is this rank's slot.
+Only step 3 crosses hosts, with packed_size(S) bytes per peer host instead of P x S x element
+size per host under a flat ring. Quantizing happens on partial sums, so `core/reduction.py`'s
+pre-division and dtype apply unchanged before step 1 and its post-division after step 3.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, dequantize, dequantize_into, packed_size,
+                       quantize, quantize_into)
+
+
+class _DecodeGather:
+    """An in-flight quantized all-gather; waiting decodes every row into the output buffer."""
+
+    def __init__(self, handle, packed: torch.Tensor, output: torch.Tensor, rows: int):
+        self.handle, self.packed, self.output, self.rows = handle, packed, output, rows
+
+    def wait(self) -> None:
+        """Wait for the gather and decode it (once)."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        if self.packed is not None:
+            numel = self.output.numel() // self.rows
+            dequantize_into(self.packed.view(self.rows, -1), self.output.view(self.rows, numel),
+                            WEIGHT_BLOCK)
+            if self.packed.device.type == "cuda":
+                # Made on the gather stream, read here on the waiting one: the caching allocator
+                # must not hand it out again before this decode has run.
+                self.packed.record_stream(torch.cuda.current_stream(self.packed.device))
+            self.packed = None
+
+
+def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
+                         async_op: bool = False, unit=None):
+    """qwZ: gather every rank's `shard` into `output` (rank order), int8-quantized on the wire;
+    every slot of `output`, this rank's too, holds decoded values. The ledger counts the packed
+    bytes (`Comm.all_gather` on uint8)."""
+    rows = comm.world_size
+    numel = shard.numel()
+    if output.numel() != rows * numel:
+        raise ValueError(f"quantized_all_gather: output has {output.numel()} elements, expected "
+                         f"{rows} x {numel} (unit {getattr(unit, 'index', '?')})")
+    width = packed_size(numel, WEIGHT_BLOCK)
+    packed = torch.empty(rows * width, dtype=torch.uint8, device=shard.device)
+    own = packed[comm.rank * width:(comm.rank + 1) * width]
+    quantize_into(shard.reshape(1, numel), own.view(1, width), WEIGHT_BLOCK)
+    handle = comm.all_gather(packed, own, async_op=True, unit=unit)
+    gather = _DecodeGather(handle, packed, output, rows)
+    return gather if async_op else gather.wait()
+
+
+class HostGroups:
+    """The two process groups of qgZ's hierarchy, as `Comm`s that count into the world's ledger:
+    the P ranks of this host, and the H ranks (one per host) sharing this rank's local rank."""
+
+    def __init__(self, comm: Comm, ranks_per_host: int):
+        world = comm.world_size
+        self.per_host = ranks_per_host
+        self.hosts = world // ranks_per_host
+        self.host, self.local = divmod(comm.rank, ranks_per_host)
+        self.rank = comm.rank
+        intra = inter = None
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        for host in range(self.hosts):
+            group = dist.new_group([host * ranks_per_host + l for l in range(ranks_per_host)])
+            intra = group if host == self.host else intra
+        for local in range(ranks_per_host):
+            group = dist.new_group([h * ranks_per_host + local for h in range(self.hosts)])
+            inter = group if local == self.local else inter
+        self.intra, self.inter = Comm(intra), Comm(inter)
+        for side in (self.intra, self.inter):
+            # One ledger: engine.comm_report() shows these bytes with the rest of the step's.
+            side.bytes, side.inter_host_bytes = comm.bytes, comm.inter_host_bytes
+        # The desync watchdog watches the world's Comm only: these groups' waits are plain.
+
+    @classmethod
+    def for_comm(cls, comm: Comm) -> "HostGroups | None":
+        """The groups for the world `comm` spans, or None where qgZ would change nothing (one
+        host) or cannot run (hosts of different sizes, or `comm` not the whole world)."""
+        per_host = comm.layout.ranks_per_host
+        world = comm.world_size
+        if comm.group is not None and world != dist.get_world_size():
+            warnings.warn("zero_quantized_gradients: the data-parallel group is not the whole "
+                          "world; gradients are reduced unquantized", RuntimeWarning, stacklevel=2)
+            return None
+        if per_host >= world:
+            return None  # one host: nothing crosses hosts, so nothing is quantized
+        if world % per_host:
+            warnings.warn(f"zero_quantized_gradients: {world} ranks do not split into hosts of "
+                          f"LOCAL_WORLD_SIZE={per_host}; gradients are reduced unquantized",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        return cls(comm, per_host)
+
+    def reduce_scatter(self, full: torch.Tensor, unit=None):
+        """qgZ: start summing `full` over every rank into this rank's slot of it (the same slot
+        a plain `Comm.reduce_scatter` fills); returns a handle whose `wait()` finishes it."""
+        return _HierarchicalReduceScatter(self, full, unit)
+
+    def destroy(self) -> None:
+        """Destroy the two process groups (this rank's)."""
+        for side in (self.intra, self.inter):
+            if side.group is not None and dist.is_initialized():
+                dist.destroy_process_group(side.group)
+
+
+class _HierarchicalReduceScatter:
+    """Steps 1-2 of the module's qgZ plan start at once; `wait()` runs step 3."""
+
+    def __init__(self, groups: HostGroups, full: torch.Tensor, unit=None):
+        self.groups, self.full, self.unit = groups, full, unit
+        hosts, per_host = groups.hosts, groups.per_host
+        self.numel = full.numel() // (hosts * per_host)
+        # Slot (h, l) moves to chunk l, row h: the host reduce-scatter then gives local rank l
+        # exactly the rows the cross-host step needs.
+        full.copy_(full.view(hosts, per_host, self.numel).transpose(0, 1).reshape(-1))
+        self.handle = groups.intra.reduce_scatter(full, async_op=True, unit=unit)
+
+    def wait(self) -> None:
+        """Finish the host reduce-scatter, exchange across hosts quantized, sum into the slot."""
+        if self.full is None:
+            return
+        groups, numel = self.groups, self.numel
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        rows = self.full.view(groups.per_host, groups.hosts, numel)[groups.local]
+        total = rows[groups.host].to(torch.float32, copy=True)
+        others = [h for h in range(groups.hosts) if h != groups.host]
+        send = quantize(rows[others], GRADIENT_BLOCK)
+        received = torch.empty_like(send)
+        width = send.shape[1]
+        splits = [0 if h == groups.host else width for h in range(groups.hosts)]
+        groups.inter.all_to_all(received.view(-1), send.view(-1), splits, splits)
+        total += dequantize(received, numel, torch.float32, GRADIENT_BLOCK).sum(dim=0)
+        self.full[groups.rank * numel:(groups.rank + 1) * numel].copy_(total)
+        self.full = None

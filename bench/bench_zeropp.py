@@ -244,20 +244,23 @@ def run_job(args, cluster_mod, variant: str, link: str, rnd: int, run_dir: Path)
                 "--no-alias-deepspeed", "--no-local-rank", *worker_args]
         procs = [cluster.start(h, argv, logs[h], env=_env(args)) for h in range(HOSTS)]
         deadline = time.monotonic() + args.timeout
-        for h, proc in enumerate(procs):
-            try:
-                rc[h] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc[h] = "timeout"
-            if rc[h] not in (0, None):  # a failed or hung host: stop the other one too
+        # Until both agents are done, one fails (its peer would wait in a collective for gloo's
+        # timeout: stop it too) or the deadline passes; the cluster's close() kills the rest.
+        while None in rc and not any(c not in (0, None) for c in rc):
+            if time.monotonic() > deadline:
+                rc = [c if c is not None else "timeout" for c in rc]
                 break
+            time.sleep(0.5)
+            rc = [proc.poll() for proc in procs]
     wall = time.perf_counter() - t0
     foreign = max(0.0, (_busy_cpu_s() - busy0 - (_children_cpu_s() - mine0)) / wall)
     ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
     job = {"variant": variant, "link": link, "round": rnd, "rc": rc, "wall_s": wall,
            "other_jobs_cores": foreign, "ranks": ranks}
     if len(ranks) != HOSTS * PER_HOST:
-        job["error"] = _first_error(logs) or f"agents exited {rc}"
+        job["error"] = _first_error(logs) or (
+            f"timed out after {args.timeout:.0f} s" if "timeout" in rc else
+            "no rank wrote its results")
         job["log_tail"] = "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
                                     for p in logs if p.exists())
     return job
@@ -492,7 +495,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--width", type=int, default=384, help="d_model (heads = width / 64)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")

@@ -341,12 +341,12 @@ def report(saved: dict) -> str:
                   "", "| variant | step ms | best ms | CPU ms/step | inter-host MB/step (wire) "
                   "| bytes vs s3 | step vs s3 | step vs DeepSpeed s3 "
                   "| ledger inter / intra MB/step "
-                  "| final loss (rank 0) | runs | other jobs, cores |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+                  "| final loss (rank 0) | loss vs s3 | runs | other jobs, cores |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for v in variants:
             r = rows[(v, link)]
             if "error" in r:
-                lines.append(f"| {v} | FAILED: {r['error']} | | | | | | | | | 0 | |")
+                lines.append(f"| {v} | FAILED: {r['error']} | | | | | | | | | | 0 | |")
                 continue
 
             def ratio(key, other):
@@ -355,11 +355,13 @@ def report(saved: dict) -> str:
             led = (f"{r['ledger_inter_host'] / mb:.1f} / {r['ledger_intra_host'] / mb:.1f}"
                    if "ledger_inter_host" in r else "—")
             compute = v == COMPUTE
+            drift = (f"{(r['loss'][0] - base['loss'][0]) / base['loss'][0]:+.2%}"
+                     if base.get("loss") and not compute else "—")
             lines.append(
                 f"| {v} | {r['step_s'] * 1e3:.0f} | {r['best_step_s'] * 1e3:.0f} | "
                 f"{r['cpu_s'] * 1e3:.0f} | {r['wire_bytes'] / mb:.1f} | "
                 f"{'—' if compute else ratio('wire_bytes', base)} | {ratio('step_s', base)} | "
-                f"{ratio('step_s', ds)} | {led} | {r['loss'][0]:.4f} | {r['runs']} | "
+                f"{ratio('step_s', ds)} | {led} | {r['loss'][0]:.4f} | {drift} | {r['runs']} | "
                 f"{r['other_jobs_cores']:.2f} |")
         lines.append("")
     lines += [
@@ -370,8 +372,10 @@ def report(saved: dict) -> str:
         "barrier after the warm-up and the one after the last timed step, both hosts added, over "
         "the timed steps (the per-step barriers are in it: a few hundred bytes). ledger: "
         "zeroshard's `comm_report()` over the same steps, inter-host / intra-host bytes of all "
-        "four ranks (ring model). compute-only: every rank runs the same step on its own whole "
-        "model (no ZeRO, no collective in the step) while the other three do too: the step's "
+        "four ranks (ring model). loss vs s3: rank 0's final loss against plain zeroshard "
+        "stage 3's (same data and initial weights; quantization shows here). compute-only: "
+        "every rank runs the same step on its own whole model (no ZeRO, no collective in the "
+        "step; its loss is of its own batch alone) while the other three do too: the step's "
         "arithmetic on these shared cores, without communication. other jobs, cores: the "
         "machine's busy CPU time during the job minus the job's own, over its wall time (max "
         "over rounds; 0 on an idle machine).", ""]

@@ -323,7 +323,7 @@ def report(saved: dict) -> str:
     rows = {(v, l): _agg([j for j in jobs if j["variant"] == v
                           and (j["link"] == l or v == COMPUTE)])
             for v in variants for l in links}
-    psi = next((r["psi"] for r in rows.values() if "psi" in r), None)
+    psi = next((int(r["psi"]) for r in rows.values() if "psi" in r), None)
     mb = 1e6
     lines = [
         "# ZeRO++ on two simulated hosts", "",

@@ -33,7 +33,10 @@ LEAN = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 
         "stage3_max_reuse_distance": 0}
 VARIANTS = {"plain": {}, "qwZ": {"zero_quantized_weights": True},
             "qgZ": {"zero_quantized_gradients": True},
-            "both": {"zero_quantized_weights": True, "zero_quantized_gradients": True}}
+            "both": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+            # all three ZeRO++ parts: hpZ's secondary shards hold the decoded (qwZ) weights
+            "all3": {"zero_quantized_weights": True, "zero_quantized_gradients": True,
+                     "zero_hpz_partition_size": 2}}
 # Loss after STEPS steps may differ from plain stage 3 by this much (relative). Measured on this
 # model: qwZ 0.11%, qgZ 0.01%, both under 0.01% (README).
 DRIFT = 0.01
@@ -225,7 +228,7 @@ def _final(losses):
     return sum(losses[-3:]) / 3
 
 
-@pytest.mark.parametrize("name", ["qwZ", "qgZ", "both"])
+@pytest.mark.parametrize("name", ["qwZ", "qgZ", "both", "all3"])
 def test_loss_stays_near_plain_stage3(results, name):
     plain, got = results[0]["train"]["plain"], results[0]["train"][name]
     assert all(r["train"][name]["finite"] for r in results)
@@ -238,7 +241,7 @@ def test_loss_stays_near_plain_stage3(results, name):
         assert got["losses"][0] != plain["losses"][0]  # the weights did go through the codec
 
 
-@pytest.mark.parametrize("name", ["plain", "qwZ", "both"])
+@pytest.mark.parametrize("name", ["plain", "qwZ", "both", "all3"])
 def test_every_rank_computes_with_the_same_weights(results, name):
     first = results[0]["train"][name]["seen"]
     for other in results[1:]:
@@ -246,7 +249,7 @@ def test_every_rank_computes_with_the_same_weights(results, name):
             assert torch.equal(tensor, first[key]), (name, key)
 
 
-@pytest.mark.parametrize("name", ["qwZ", "both"])
+@pytest.mark.parametrize("name", ["qwZ", "both", "all3"])
 def test_quantized_weights_stay_near_the_exact_ones(results, name):
     """Forward saw decoded weights near the exact ones; GatheredParameters gathers exact ones."""
     assert all(r["train"][name]["own_exact"] for r in results)
@@ -280,6 +283,9 @@ def test_ledger_counts_quantized_bytes(results):
         "qwZ": (2 * gather_q + gather, (2 * gather_q + gather) * cross),
         "qgZ": (2 * gather + reduce_intra + reduce_cross, 2 * gather * cross + reduce_cross),
         "both": (2 * gather_q + reduce_intra + reduce_cross, 2 * gather_q * cross + reduce_cross),
+        # hpZ: backward gathers the (decoded) secondary shards inside the host, unquantized
+        "all3": (gather_q + reduce_intra + reduce_intra + reduce_cross,
+                 gather_q * cross + reduce_cross),
     }
     slack = 8 * len(sizes)  # per-collective rounding of the ring model to whole bytes
     for name, (total, inter) in expect.items():
@@ -291,6 +297,7 @@ def test_ledger_counts_quantized_bytes(results):
     assert got["qwZ"]["bytes"]["inter_host"] < 0.55 * plain
     assert got["qgZ"]["bytes"]["inter_host"] < 0.75 * plain
     assert got["both"]["bytes"]["inter_host"] < 0.25 * plain
+    assert got["all3"]["bytes"]["inter_host"] < 0.15 * plain
 
 
 def test_hierarchical_reduce_scatter_sums_every_rank(results):

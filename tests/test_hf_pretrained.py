@@ -258,7 +258,7 @@ def _no_optimizer_case(path):
     return out
 
 
-def _no_optimizer_below_stage3(stage, world):
+def _no_optimizer_at_stage(stage, world):
     """Stages 0-3 without an optimizer: nothing kept for gradients or optimizer state, and no
     gradient storage allocated even for a moment: initialize() allocates at least the gradients'
     bytes (Psi fp32, over N from stage 2) less than for a training engine (SGD without momentum,
@@ -355,7 +355,7 @@ def _world(rank, world, paths, root):
     out["consolidated"] = _consolidated_case(rank, world, os.path.join(root, f"w{world}"))
     out.update({("resize", n): _resize_case(n) for n in ("gpt2", "llama")})
     out["no_optimizer"] = _no_optimizer_case(paths["gpt2"])
-    out.update({("no_optimizer", s): _no_optimizer_below_stage3(s, world) for s in (0, 1, 2, 3)})
+    out.update({("no_optimizer", s): _no_optimizer_at_stage(s, world) for s in (0, 1, 2, 3)})
     if world == 2:  # the front ends, at one world size
         out["trainer"] = _trainer_case(world, paths["gpt2"], os.path.join(root, "trainer"))
         out["lightning"] = _lightning_case()

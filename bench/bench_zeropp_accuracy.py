@@ -3,9 +3,15 @@
 World of 4 CPU (gloo) ranks laid out as 2 hosts x 2 ranks (LOCAL_WORLD_SIZE=2, as torchrun sets it
 on two nodes), so qgZ's cross-host step runs. Every variant starts from the same weights and sees
 the same batches (`zeroshard.cli.demo`'s model, data and config: fp32, AdamW lr 3e-3, micro batch
-8, every parameter sharded, nothing kept gathered). Printed per variant: final loss (mean of the
-last 10 steps), its relative gap to plain stage 3 (target: at most 1%), and the bytes one step
-sent per rank from the comm ledger, in total and across hosts.
+8, every parameter sharded, nothing kept gathered). Printed per variant: final training loss (mean
+of the last 10 steps), the trained model's loss on held-out text (the 50,000 characters after the
+training corpus, EVAL_BATCHES fixed batches, exact weights), each one's relative gap to plain
+stage 3 (target: at most 1%), and the bytes one step sent per rank from the comm ledger, in total
+and across hosts.
+
+Two runs of this small model that differ by nothing that matters still end apart: the `jitter`
+variant is plain stage 3 started from weights moved by one part in a million. Its gap is the
+noise floor of the measure at that seed; run several `--seed`s and compare means.
 
     python bench/bench_zeropp_accuracy.py                # plain, qwZ, qgZ, both; 200 steps
     python bench/bench_zeropp_accuracy.py --steps 20 --variants plain,both          # smoke run
@@ -30,6 +36,7 @@ import torch.multiprocessing as mp
 
 VARIANTS = {
     "plain": {},
+    "jitter": {"_jitter": 1e-6},  # control: plain, initial weights x (1 + 1e-6 * noise)
     "qwZ": {"zero_quantized_weights": True},
     "qgZ": {"zero_quantized_gradients": True},
     "both": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
@@ -37,6 +44,8 @@ VARIANTS = {
 # The demo's stage-3 row: every parameter sharded, nothing kept gathered between uses.
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 TAIL = 10  # final loss: mean of the last TAIL steps
+EVAL_CHARS = 50_000  # held-out text: this many characters after the training corpus
+EVAL_BATCHES = 16  # of 32 sequences each
 TARGET = 0.01
 
 
@@ -52,12 +61,20 @@ def _train(name: str, zero: dict, args) -> dict:
     import torch.nn.functional as F
 
     import zeroshard
-    from zeroshard.cli.demo import (GPTConfig, TinyGPT, batch_for_step, ds_config, encode,
-                                    load_corpus)
+    from zeroshard.cli.demo import (CORPUS_CHARS, GPTConfig, TinyGPT, batch_for_step, ds_config,
+                                    encode, load_corpus)
 
-    data = encode(load_corpus())
+    text = load_corpus(CORPUS_CHARS + EVAL_CHARS)
+    data, held_out = encode(text[:CORPUS_CHARS]), encode(text[CORPUS_CHARS:])
     torch.manual_seed(args.seed)
     model = TinyGPT(GPTConfig())
+    zero = dict(zero)
+    jitter = zero.pop("_jitter", 0.0)
+    if jitter:
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + jitter * torch.randn(p.shape, generator=gen))
     config = ds_config({**STAGE3, **zero}, args.micro_batch, args.lr)
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     losses, step_s = [], []
@@ -80,8 +97,26 @@ def _train(name: str, zero: dict, args) -> dict:
     engine.destroy()  # leaves the model whole (at stage 3 its parameters are empty before)
     finite = all(p.isfinite().all().item() for p in model.parameters())
     return {"name": name, "zero": zero, "losses": losses, "finite": finite,
+            "eval_loss": _evaluate(model, held_out),
             "bytes": {k: after[k] - before[k] for k in ("total", "intra_host", "inter_host")},
             "step_ms": 1e3 * sorted(step_s)[len(step_s) // 2]}
+
+
+def _evaluate(model, held_out: torch.Tensor) -> float:
+    """Mean loss of the (whole, exact) model on EVAL_BATCHES fixed batches of held-out text."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(12345)
+    block = model.cfg.block_size
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(EVAL_BATCHES):
+            starts = torch.randint(0, held_out.numel() - block - 1, (32,), generator=gen).tolist()
+            x = torch.stack([held_out[s:s + block] for s in starts])
+            y = torch.stack([held_out[s + 1:s + 1 + block] for s in starts])
+            logits = model(x)
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    return total / EVAL_BATCHES
 
 
 def _worker(rank: int, world: int, per_host: int, port: int, variants: dict, args, out: str):
@@ -98,8 +133,8 @@ def _worker(rank: int, world: int, per_host: int, port: int, variants: dict, arg
         results.append(_train(name, zero, args))
         if rank == 0:
             r = results[-1]
-            print(f"  {name}: final loss {sum(r['losses'][-TAIL:]) / TAIL:.4f}, "
-                  f"{r['step_ms']:.0f} ms/step", flush=True)
+            print(f"  {name}: final loss {sum(r['losses'][-TAIL:]) / TAIL:.4f}, held-out "
+                  f"{r['eval_loss']:.4f}, {r['step_ms']:.0f} ms/step", flush=True)
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
@@ -119,19 +154,21 @@ def _parse_extra(items: list[str]) -> dict:
 
 
 def table(results: list[dict]) -> list[str]:
-    """Markdown rows: final loss, gap to plain, bytes per step per rank (total, inter-host)."""
+    """Markdown rows: final and held-out loss and their gaps to plain, bytes per step per rank
+    (total, inter-host)."""
     plain = next(r for r in results if r["name"] == "plain")
     base = sum(plain["losses"][-TAIL:]) / TAIL
     base_inter = plain["bytes"]["inter_host"]
-    rows = ["| variant | final loss (mean of last 10) | gap to plain | bytes/step/rank | "
-            "inter-host bytes/step/rank | inter-host vs plain | ms/step |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| variant | final loss (mean of last 10) | gap | held-out loss | gap | "
+            "bytes/step/rank | inter-host bytes/step/rank | inter-host vs plain | ms/step |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         final = sum(r["losses"][-TAIL:]) / TAIL
-        gap = (final - base) / base
-        flag = "" if abs(gap) <= TARGET and r["finite"] else " (over target)"
-        rows.append(f"| {r['name']} | {final:.4f} | {100 * gap:+.3f}%{flag} | "
-                    f"{r['bytes']['total']:,} | {r['bytes']['inter_host']:,} | "
+        gaps = [(final - base) / base, (r["eval_loss"] - plain["eval_loss"]) / plain["eval_loss"]]
+        shown = [f"{100 * g:+.3f}%" + ("" if abs(g) <= TARGET and r["finite"] else " (over)")
+                 for g in gaps]
+        rows.append(f"| {r['name']} | {final:.4f} | {shown[0]} | {r['eval_loss']:.4f} | "
+                    f"{shown[1]} | {r['bytes']['total']:,} | {r['bytes']['inter_host']:,} | "
                     f"{r['bytes']['inter_host'] / base_inter:.3f}x | {r['step_ms']:.0f} |")
     return rows
 
@@ -160,7 +197,9 @@ def main(argv=None) -> int:
     if extra:
         variants["+".join(f"{k}={v}" for k, v in extra.items())] = dict(extra)
     for name in names:
-        if name != "plain":
+        if name == "jitter":  # the control stays plain
+            variants[name] = VARIANTS[name]
+        elif name != "plain":
             label = name + "".join(f"+{k}={v}" for k, v in extra.items())
             variants[label] = {**VARIANTS[name], **extra}
     print(f"ZeRO++ accuracy: demo GPT, {args.steps} steps, {args.world} ranks as "

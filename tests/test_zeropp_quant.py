@@ -20,8 +20,8 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config.schema import ConfigWarning, load_config
-from zeroshard.core.quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, dequantize, num_blocks,
-                                     packed_size, quantize)
+from zeroshard.core.quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize,
+                                     num_blocks, packed_size, quantize)
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice
 
@@ -80,6 +80,41 @@ def test_zeros_and_non_finite_blocks():
     fp16 = torch.full((1, 10), 60000.0, dtype=torch.float16)
     fp16[0, 3] = float("-inf")
     assert not dequantize(quantize(fp16), 10, torch.float16).isfinite().any()
+
+
+@pytest.mark.parametrize("block", [WEIGHT_BLOCK, GRADIENT_BLOCK])
+def test_blocks_never_mix_parameters(block):
+    """Parameters of very different sizes end to end: every value is within half of its own
+    parameter's block scale, however the parameter starts fall (inside a block, two in one
+    block, on a block edge, on a shard edge)."""
+    shard, rows = 3 * block + 40, 4
+    total = shard * rows
+    starts = [0, 5, block // 2, block // 2 + 3, block, shard - 1, shard + 7, 2 * shard,
+              3 * shard + block + 1]
+    bounds = starts + [total]
+    gen = torch.Generator().manual_seed(block)
+    flat = torch.empty(total)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):  # magnitudes 1e-4 .. 1e2 in turn
+        flat[lo:hi] = torch.randn(hi - lo, generator=gen) * 10.0 ** (i % 7 - 4)
+    plan = BlockPlan(starts, shard, block, rows)
+    for row_ids in ([0, 1, 2, 3], [2, 0], [3]):
+        original = flat.view(rows, shard)[row_ids]
+        packed = quantize(original, block, plan, row_ids)
+        assert packed.shape == (len(row_ids), packed_size(shard, block, plan.extra))
+        back = dequantize(packed, shard, torch.float32, block, plan, row_ids)
+        for i, row in enumerate(row_ids):
+            for j in range(num_blocks(shard, block)):  # the parts of each block, from `starts`
+                lo, hi = row * shard + j * block, row * shard + min((j + 1) * block, shard)
+                edges = sorted({lo, hi, *(s for s in starts if lo < s < hi)})
+                for a, b in zip(edges, edges[1:]):
+                    part = flat[a:b]
+                    got = back[i, a - row * shard:b - row * shard]
+                    bound = part.abs().max() / 127 / 2 + part.abs() * 2.0 ** -22
+                    assert ((got - part).abs() <= bound).all(), (row, a, b)
+    # Row 0 has the most starts inside blocks: 5, block/2 and block/2 + 3 in block 0, shard - 1
+    # in the last one; one extra scale each.
+    assert plan.extra == 4
+    assert BlockPlan([0, block, 2 * block], shard, block, rows).extra == 0  # nothing split
 
 
 def test_codec_refuses_wrong_shapes():
@@ -148,9 +183,11 @@ def _ledger(rank, world, zero):
     engine.step()
     after = engine.comm_report()
     sizes = [u.padded_numel for u in engine.optimizer.units]
+    starts = [[slot.offset for slot in u.slots] for u in engine.optimizer.units]
     sharded = len(engine.optimizer.policy.sharded)
     engine.destroy()
-    return {"bytes": {k: after[k] - before[k] for k in after}, "sizes": sizes, "sharded": sharded}
+    return {"bytes": {k: after[k] - before[k] for k in after}, "sizes": sizes, "sharded": sharded,
+            "starts": starts}
 
 
 def _hierarchical(rank, world):
@@ -261,23 +298,27 @@ def test_quantized_weights_stay_near_the_exact_ones(results, name):
         assert diff <= exact.abs().max().item() / 254 * 8 + 2e-2, (key, diff)
 
 
-def _packed(numel: int, block: int) -> int:
-    """Bytes of one packed row of `numel` values: int8 padded to 4 bytes + fp32 scale per block."""
-    return math.ceil(numel / 4) * 4 + 4 * math.ceil(numel / block)
+def _packed(numel: int, block: int, starts=(), rows: int = 1) -> int:
+    """Bytes of one packed row of `numel` values: int8 padded to 4 bytes + fp32 scale per block,
+    plus one more for each parameter start inside a block (the most any of `rows` rows has)."""
+    cuts = max(sum(1 for s in starts if r * numel < s < (r + 1) * numel and (s - r * numel) % block)
+               for r in range(rows))
+    return math.ceil(numel / 4) * 4 + 4 * (math.ceil(numel / block) + cuts)
 
 
 def test_ledger_counts_quantized_bytes(results):
     """Inter-host bytes per step, expected from the unit sizes (ring model: a collective over the
     world sends (N-1)/N of its payload per rank, H/N of it across hosts)."""
     got = results[0]["ledger"]
-    sizes = got["plain"]["sizes"]
+    sizes, starts = got["plain"]["sizes"], got["plain"]["starts"]
     assert got["plain"]["sharded"] == len(sizes)
     n, ring, cross = WORLD, (WORLD - 1) / WORLD, HOSTS / WORLD
     gather = sum(4 * s for s in sizes) * ring  # one fp32 gather of every unit
-    gather_q = sum(n * _packed(s // n, WEIGHT_BLOCK) for s in sizes) * ring
+    gather_q = sum(n * _packed(s // n, WEIGHT_BLOCK, st, n) for s, st in zip(sizes, starts)) * ring
     reduce_intra = sum(4 * s for s in sizes) * (PER_HOST - 1) / PER_HOST  # inside the host
     # One packed slot per other host.
-    reduce_cross = sum((HOSTS - 1) * _packed(s // n, GRADIENT_BLOCK) for s in sizes)
+    reduce_cross = sum((HOSTS - 1) * _packed(s // n, GRADIENT_BLOCK, st, n)
+                       for s, st in zip(sizes, starts))
     expect = {  # (total, inter-host)
         "plain": (3 * gather, 3 * gather * cross),
         "qwZ": (2 * gather_q + gather, (2 * gather_q + gather) * cross),

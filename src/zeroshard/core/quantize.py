@@ -4,9 +4,18 @@ A row of S values is cut into blocks of B consecutive elements (the last one may
 WEIGHT_BLOCK for qwZ, GRADIENT_BLOCK for qgZ).
 Each block b gets one fp32 scale s_b = max|x| / 127 over the block, and each value is sent as the
 int8 q = round(x / s_b), so |x - q * s_b| <= s_b / 2. A row travels as one uint8 buffer of
-`packed_size(S, B)` bytes, so one collective moves values and scales together:
+`packed_size(S, B, K)` bytes, so one collective moves values and scales together:
 
-    [ S int8 values | zero padding up to a multiple of 4 | ceil(S / B) fp32 scales ]
+    [ S int8 values | zero padding up to a multiple of 4 | ceil(S / B) fp32 scales | K more ]
+
+Blocks never mix two parameters (`BlockPlan`). A row is a rank's shard of a unit's flat buffer,
+where parameters lie end to end; a block holding the end of one and the start of the next would
+share one scale between, say, a LayerNorm weight near 1 and a bias near 0.001, and round the bias
+to 0 at every step (the demo GPT's loss then stalled: README). So a block that a parameter start
+cuts is split into parts: its first part keeps the block's scale slot, each later part gets one
+of the K extra slots after the regular ones (K: the most any row of the unit needs, so every row
+has the same width). Decoding applies the regular scales block by block, then rewrites the few
+elements of split blocks with their parts' scales.
 
 Rows are multiples of 4 bytes long, so a buffer of R rows laid end to end (one row per rank in an
 all-gather) keeps every scale section 4-byte aligned and viewable as fp32 in place.
@@ -19,6 +28,8 @@ still shows up as non-finite after the round trip instead of being clipped to a 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -39,53 +50,146 @@ def _data_bytes(numel: int) -> int:
 
 
 def num_blocks(numel: int, block: int = BLOCK) -> int:
-    """Quantization blocks (= fp32 scales) in a row of `numel` values."""
+    """Regular quantization blocks (= fp32 scales before the extra ones) in a row of `numel`."""
     return math.ceil(numel / block)
 
 
-def packed_size(numel: int, block: int = BLOCK) -> int:
-    """Bytes one packed row of `numel` values takes on the wire (int8 values + fp32 scales)."""
-    return _data_bytes(numel) + 4 * num_blocks(numel, block)
+def packed_size(numel: int, block: int = BLOCK, extra: int = 0) -> int:
+    """Bytes one packed row of `numel` values takes on the wire (int8 values + fp32 scales,
+    `extra` of them for the parts of split blocks)."""
+    return _data_bytes(numel) + 4 * (num_blocks(numel, block) + extra)
 
 
-def quantize_into(rows: torch.Tensor, packed: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Quantize `rows` ([R, S], any float dtype) into `packed` ([R, packed_size(S, block)]
-    uint8)."""
+@dataclass(frozen=True)
+class Fixups:
+    """The elements of split blocks in a [R, S] tensor of rows, and the scale slot of each."""
+
+    rows: torch.Tensor  # int64 [E]: row of each element
+    cols: torch.Tensor  # int64 [E]: its position in the row
+    slots: torch.Tensor  # int64 [E]: its part's slot in the row's scale section
+
+
+class BlockPlan:
+    """Where the blocks of one unit's shard rows are cut: every `block` elements of a row and at
+    every parameter start inside it. `starts` are the flat-buffer offsets where parameters begin;
+    row r is the shard [r*S, (r+1)*S)."""
+
+    def __init__(self, starts: Sequence[int], shard_numel: int, block: int, rows: int):
+        self.block, self.shard_numel = block, shard_numel
+        regular = num_blocks(shard_numel, block)
+        # Per row: (position, slot) of every element of a split block.
+        self._per_row: list[tuple[list[int], list[int]]] = []
+        extra = 0
+        for row in range(rows):
+            lo = row * shard_numel
+            cuts = sorted({s - lo for s in starts if lo < s < lo + shard_numel and (s - lo) % block})
+            cols, slots, used = [], [], 0
+            by_block: dict[int, list[int]] = {}
+            for cut in cuts:
+                by_block.setdefault(cut // block, []).append(cut)
+            for index, inner in by_block.items():
+                edges = [index * block, *inner, min((index + 1) * block, shard_numel)]
+                for part, (a, b) in enumerate(zip(edges, edges[1:])):
+                    slot = index if part == 0 else regular + used + part - 1
+                    cols.extend(range(a, b))
+                    slots.extend([slot] * (b - a))
+                used += len(inner)
+            self._per_row.append((cols, slots))
+            extra = max(extra, used)
+        self.extra = extra
+        self.width = packed_size(shard_numel, block, extra)
+        self._cache: dict[tuple[int, ...], Fixups | None] = {}
+
+    def fixups(self, row_ids: Sequence[int], device: torch.device) -> Fixups | None:
+        """The fix-ups of a [len(row_ids), S] tensor whose row i is shard row `row_ids[i]`; None
+        where no block is split."""
+        key = tuple(row_ids)
+        if key not in self._cache:
+            rows, cols, slots = [], [], []
+            for i, row in enumerate(key):
+                c, s = self._per_row[row]
+                rows.extend([i] * len(c))
+                cols.extend(c)
+                slots.extend(s)
+            self._cache[key] = None if not cols else Fixups(
+                *(torch.tensor(v, dtype=torch.int64, device=device) for v in (rows, cols, slots)))
+        return self._cache[key]
+
+
+def _scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1/scale) from block maxima: nan scale (and 0 inverse) for a non-finite block,
+    0 inverse for an all-zero one."""
+    scale = amax / _QMAX  # nan if the block has a nan, inf if it has an inf
+    finite = torch.isfinite(scale)
+    scale = scale.masked_fill(~finite, float("nan"))
+    inverse = torch.where(finite & (scale > 0), 1.0 / scale, torch.zeros_like(scale))
+    return scale, inverse
+
+
+def _to_int(scaled: torch.Tensor) -> torch.Tensor:
+    """Round scaled values to the int8 range (non-finite ones, under a nan scale, send 0)."""
+    return scaled.nan_to_num_(0.0, _QMAX, -_QMAX).round_().clamp_(-_QMAX, _QMAX)
+
+
+def quantize_into(rows: torch.Tensor, packed: torch.Tensor, block: int = BLOCK,
+                  fix: Fixups | None = None, extra: int = 0) -> torch.Tensor:
+    """Quantize `rows` ([R, S], any float dtype) into `packed` ([R, packed_size(S, block,
+    extra)] uint8); `fix` and `extra` from the rows' BlockPlan (none: blocks every `block`)."""
     count, numel = rows.shape
-    width = packed_size(numel, block)
+    width = packed_size(numel, block, extra)
     if packed.dtype != torch.uint8 or tuple(packed.shape) != (count, width):
         raise ValueError(f"quantize_into: packed must be uint8 of shape {(count, width)}, got "
                          f"{packed.dtype} {tuple(packed.shape)}")
     blocks = num_blocks(numel, block)
     values = rows.float()
+    padded = values
     if blocks * block != numel:
-        values = torch.nn.functional.pad(values, (0, blocks * block - numel))
-    values = values.view(count, blocks, block)
-    scale = values.abs().amax(dim=2) / _QMAX  # nan if the block has a nan, inf if it has an inf
-    finite = torch.isfinite(scale)
-    scale = scale.masked_fill(~finite, float("nan"))
-    inverse = torch.where(finite & (scale > 0), 1.0 / scale, torch.zeros_like(scale))
-    scaled = values * inverse.unsqueeze(2)
-    # Blocks with a non-finite value send 0s under a nan scale; nothing else can be out of range.
-    scaled = scaled.nan_to_num_(0.0, _QMAX, -_QMAX).round_().clamp_(-_QMAX, _QMAX)
-    packed[:, :numel].view(torch.int8).copy_(scaled.view(count, -1)[:, :numel])
+        padded = torch.nn.functional.pad(values, (0, blocks * block - numel))
+    padded = padded.view(count, blocks, block)
+    amax = padded.abs().amax(dim=2)
+    if extra:
+        amax = torch.cat([amax, amax.new_zeros(count, extra)], dim=1)
+    if fix is not None:
+        picked = values[fix.rows, fix.cols]
+        # Split blocks: each part's maximum replaces the whole block's (include_self=False).
+        amax = amax.view(-1).scatter_reduce_(0, fix.rows * amax.shape[1] + fix.slots,
+                                             picked.abs(), "amax", include_self=False)
+        amax = amax.view(count, -1)
+    scale, inverse = _scales(amax)
+    scaled = _to_int(padded * inverse[:, :blocks].unsqueeze(2))
+    ints = packed[:, :numel].view(torch.int8)
+    ints.copy_(scaled.view(count, -1)[:, :numel])
+    if fix is not None:
+        ints[fix.rows, fix.cols] = _to_int(picked * inverse[fix.rows, fix.slots]).to(torch.int8)
     start = _data_bytes(numel)
     packed[:, numel:start].zero_()
     packed[:, start:].view(torch.float32).copy_(scale)
     return packed
 
 
-def quantize(rows: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """A new [R, packed_size(S, block)] uint8 tensor holding `rows` ([R, S]) quantized."""
-    packed = torch.empty(rows.shape[0], packed_size(rows.shape[1], block), dtype=torch.uint8,
-                         device=rows.device)
-    return quantize_into(rows, packed, block)
+def quantize(rows: torch.Tensor, block: int = BLOCK, plan: BlockPlan | None = None,
+             row_ids: Sequence[int] | None = None) -> torch.Tensor:
+    """A new packed uint8 tensor holding `rows` ([R, S]) quantized; with a `plan`, row i is
+    shard row `row_ids[i]` of its unit (default: rows 0..R-1)."""
+    extra = plan.extra if plan is not None else 0
+    fix = _fix(rows, plan, row_ids)
+    packed = torch.empty(rows.shape[0], packed_size(rows.shape[1], block, extra),
+                         dtype=torch.uint8, device=rows.device)
+    return quantize_into(rows, packed, block, fix, extra)
 
 
-def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Decode `packed` ([R, packed_size(S, block)] uint8) into `out` ([R, S], its own dtype)."""
+def _fix(rows: torch.Tensor, plan: BlockPlan | None, row_ids) -> Fixups | None:
+    if plan is None:
+        return None
+    return plan.fixups(range(rows.shape[0]) if row_ids is None else row_ids, rows.device)
+
+
+def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int = BLOCK,
+                    fix: Fixups | None = None, extra: int = 0) -> torch.Tensor:
+    """Decode `packed` ([R, packed_size(S, block, extra)] uint8) into `out` ([R, S], its own
+    dtype)."""
     count, numel = out.shape
-    width = packed_size(numel, block)
+    width = packed_size(numel, block, extra)
     if tuple(packed.shape) != (count, width):
         raise ValueError(f"dequantize_into: packed rows of {width} bytes expected for rows of "
                          f"{numel} values, got shape {tuple(packed.shape)}")
@@ -97,12 +201,17 @@ def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int = BLOCK)
         out[:, :whole * block].unflatten(1, (whole, block)).copy_(
             body.float().mul_(scale[:, :whole].unsqueeze(2)))
     if whole * block != numel:
-        out[:, whole * block:].copy_(values[:, whole * block:].float().mul_(scale[:, whole:]))
+        out[:, whole * block:].copy_(values[:, whole * block:].float().mul_(scale[:, whole:whole + 1]))
+    if fix is not None:
+        out[fix.rows, fix.cols] = (values[fix.rows, fix.cols].float()
+                                   * scale[fix.rows, fix.slots]).to(out.dtype)
     return out
 
 
 def dequantize(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32,
-               block: int = BLOCK) -> torch.Tensor:
-    """A new [R, numel] tensor of `dtype` decoded from `packed`."""
+               block: int = BLOCK, plan: BlockPlan | None = None,
+               row_ids: Sequence[int] | None = None) -> torch.Tensor:
+    """A new [R, numel] tensor of `dtype` decoded from `packed` (row ids as for `quantize`)."""
     out = torch.empty(packed.shape[0], numel, dtype=dtype, device=packed.device)
-    return dequantize_into(packed, out, block)
+    extra = plan.extra if plan is not None else 0
+    return dequantize_into(packed, out, block, _fix(out, plan, row_ids), extra)

@@ -32,15 +32,23 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
-from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, dequantize, dequantize_into, packed_size,
-                       quantize, quantize_into)
+from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize, dequantize_into,
+                       packed_size, quantize, quantize_into)
+
+
+def block_plan(unit, block: int) -> BlockPlan:
+    """The BlockPlan of `unit`'s shard rows (blocks cut at its parameters' starts)."""
+    return BlockPlan([slot.offset for slot in unit.slots], unit.shard_numel, block,
+                     unit.world_size)
 
 
 class _DecodeGather:
     """An in-flight quantized all-gather; waiting decodes every row into the output buffer."""
 
-    def __init__(self, handle, packed: torch.Tensor, output: torch.Tensor, rows: int):
+    def __init__(self, handle, packed: torch.Tensor, output: torch.Tensor, rows: int,
+                 plan: BlockPlan | None):
         self.handle, self.packed, self.output, self.rows = handle, packed, output, rows
+        self.plan = plan
 
     def wait(self) -> None:
         """Wait for the gather and decode it (once)."""
@@ -49,8 +57,10 @@ class _DecodeGather:
             self.handle = None
         if self.packed is not None:
             numel = self.output.numel() // self.rows
+            plan = self.plan
+            fix = plan.fixups(range(self.rows), self.packed.device) if plan else None
             dequantize_into(self.packed.view(self.rows, -1), self.output.view(self.rows, numel),
-                            WEIGHT_BLOCK)
+                            WEIGHT_BLOCK, fix, plan.extra if plan else 0)
             if self.packed.device.type == "cuda":
                 # Made on the gather stream, read here on the waiting one: the caching allocator
                 # must not hand it out again before this decode has run.
@@ -59,8 +69,9 @@ class _DecodeGather:
 
 
 def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
-                         async_op: bool = False, unit=None):
-    """qwZ: gather every rank's `shard` into `output` (rank order), int8-quantized on the wire;
+                         async_op: bool = False, unit=None, plan: BlockPlan | None = None):
+    """qwZ: gather every rank's `shard` into `output` (rank order), int8-quantized on the wire
+    in blocks cut by `plan` (the unit's, from `block_plan`; None: every WEIGHT_BLOCK elements);
     every slot of `output`, this rank's too, holds decoded values. The ledger counts the packed
     bytes (`Comm.all_gather` on uint8)."""
     rows = comm.world_size
@@ -68,12 +79,14 @@ def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
     if output.numel() != rows * numel:
         raise ValueError(f"quantized_all_gather: output has {output.numel()} elements, expected "
                          f"{rows} x {numel} (unit {getattr(unit, 'index', '?')})")
-    width = packed_size(numel, WEIGHT_BLOCK)
+    extra = plan.extra if plan is not None else 0
+    width = packed_size(numel, WEIGHT_BLOCK, extra)
     packed = torch.empty(rows * width, dtype=torch.uint8, device=shard.device)
     own = packed[comm.rank * width:(comm.rank + 1) * width]
-    quantize_into(shard.reshape(1, numel), own.view(1, width), WEIGHT_BLOCK)
+    fix = plan.fixups([comm.rank], shard.device) if plan is not None else None
+    quantize_into(shard.reshape(1, numel), own.view(1, width), WEIGHT_BLOCK, fix, extra)
     handle = comm.all_gather(packed, own, async_op=True, unit=unit)
-    gather = _DecodeGather(handle, packed, output, rows)
+    gather = _DecodeGather(handle, packed, output, rows, plan)
     return gather if async_op else gather.wait()
 
 
@@ -120,10 +133,11 @@ class HostGroups:
             return None
         return cls(comm, per_host)
 
-    def reduce_scatter(self, full: torch.Tensor, unit=None):
+    def reduce_scatter(self, full: torch.Tensor, unit=None, plan: BlockPlan | None = None):
         """qgZ: start summing `full` over every rank into this rank's slot of it (the same slot
-        a plain `Comm.reduce_scatter` fills); returns a handle whose `wait()` finishes it."""
-        return _HierarchicalReduceScatter(self, full, unit)
+        a plain `Comm.reduce_scatter` fills), quantized across hosts in blocks cut by `plan`;
+        returns a handle whose `wait()` finishes it."""
+        return _HierarchicalReduceScatter(self, full, unit, plan)
 
     def destroy(self) -> None:
         """Destroy the two process groups (this rank's)."""
@@ -135,8 +149,9 @@ class HostGroups:
 class _HierarchicalReduceScatter:
     """Steps 1-2 of the module's qgZ plan start at once; `wait()` runs step 3."""
 
-    def __init__(self, groups: HostGroups, full: torch.Tensor, unit=None):
-        self.groups, self.full, self.unit = groups, full, unit
+    def __init__(self, groups: HostGroups, full: torch.Tensor, unit=None,
+                 plan: BlockPlan | None = None):
+        self.groups, self.full, self.unit, self.plan = groups, full, unit, plan
         hosts, per_host = groups.hosts, groups.per_host
         self.numel = full.numel() // (hosts * per_host)
         # Slot (h, l) moves to chunk l, row h: the host reduce-scatter then gives local rank l
@@ -155,11 +170,14 @@ class _HierarchicalReduceScatter:
         rows = self.full.view(groups.per_host, groups.hosts, numel)[groups.local]
         total = rows[groups.host].to(torch.float32, copy=True)
         others = [h for h in range(groups.hosts) if h != groups.host]
-        send = quantize(rows[others], GRADIENT_BLOCK)
+        # Row h of `rows` is shard row (h, l) of the unit; every row received is this rank's.
+        send = quantize(rows[others], GRADIENT_BLOCK, self.plan,
+                        [h * groups.per_host + groups.local for h in others])
         received = torch.empty_like(send)
         width = send.shape[1]
         splits = [0 if h == groups.host else width for h in range(groups.hosts)]
         groups.inter.all_to_all(received.view(-1), send.view(-1), splits, splits)
-        total += dequantize(received, numel, torch.float32, GRADIENT_BLOCK).sum(dim=0)
+        total += dequantize(received, numel, torch.float32, GRADIENT_BLOCK, self.plan,
+                            [groups.rank] * len(others)).sum(dim=0)
         self.full[groups.rank * numel:(groups.rank + 1) * numel].copy_(total)
         self.full = None

@@ -44,7 +44,8 @@ from torch.utils._pytree import tree_leaves
 from ..comm import Comm
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
-from .quantized_comm import HostGroups, quantized_all_gather
+from .quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan
+from .quantized_comm import HostGroups, block_plan, quantized_all_gather
 from .schedule import Schedule
 from .shard_store import ShardStore
 from .stage2 import Stage2
@@ -105,6 +106,7 @@ class Stage3(Stage2):
         self.store = ShardStore([u for u in units if u.index in self.sharded])
         self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
         self.host_groups: HostGroups | None = None  # qgZ's process groups (set up in setup())
+        self.block_plans: dict[tuple[int, int], BlockPlan] = {}  # (unit, block) -> qwZ/qgZ plan
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -179,7 +181,8 @@ class Stage3(Stage2):
         `exact` (weights a user reads or modifies: GatheredParameters, close)."""
         if self.options.quantized_weights and not exact and self.comm.world_size > 1:
             self.lossy.add(unit.index)
-            return quantized_all_gather(self.comm, flat, source, async_op=True, unit=unit)
+            return quantized_all_gather(self.comm, flat, source, async_op=True, unit=unit,
+                                        plan=self._block_plan(unit, WEIGHT_BLOCK))
         return self.comm.all_gather(flat, source, async_op=True, unit=unit)
 
     def unshard(self, indices, exact: bool = False) -> None:
@@ -331,10 +334,18 @@ class Stage3(Stage2):
         super()._launch_unit(unit)
         self.reshard(unit.index)
 
+    def _block_plan(self, unit: Unit, block: int) -> BlockPlan:
+        """`unit`'s quantization blocks (cut at its parameters' starts), made once."""
+        key = (unit.index, block)
+        if key not in self.block_plans:
+            self.block_plans[key] = block_plan(unit, block)
+        return self.block_plans[key]
+
     def _reduce_scatter(self, buffer: torch.Tensor, unit: Unit):
         """qgZ across hosts (`quantized_comm.py`); otherwise stage 2's reduce-scatter."""
         if self.host_groups is not None:
-            return self.host_groups.reduce_scatter(buffer, unit=unit)
+            return self.host_groups.reduce_scatter(buffer, unit=unit,
+                                                   plan=self._block_plan(unit, GRADIENT_BLOCK))
         return super()._reduce_scatter(buffer, unit)
 
     def _end_of_backward(self) -> None:

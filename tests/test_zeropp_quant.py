@@ -214,8 +214,13 @@ def _hierarchical(rank, world):
         .view(-1, block).amax(dim=1) / 127
     bound = scales.repeat_interleave(block)[:numel] / 2 + exact.abs() * 2.0 ** -20
     sent = comm.report()
+    # The device-backend path (a native reduce-scatter of regrouped pieces) gives the same sums.
+    groups.intra.composed = False
+    native = buffers[rank].clone()
+    groups.reduce_scatter(native).wait()
     groups.destroy()
     return {"within": bool(((full[mine] - exact).abs() <= bound).all()),
+            "native_equal": torch.equal(native[mine], full[mine]),
             "error": (full[mine] - exact).abs().max().item(), "bytes": sent,
             "single_host": HostGroups.for_comm(_one_host(comm)) is None}
 
@@ -344,6 +349,7 @@ def test_ledger_counts_quantized_bytes(results):
 def test_hierarchical_reduce_scatter_sums_every_rank(results):
     for rank, got in enumerate(results):
         assert got["hierarchical"]["within"], (rank, got["hierarchical"]["error"])
+        assert got["hierarchical"]["native_equal"], rank
         assert got["hierarchical"]["single_host"]  # one host: plain reduce-scatter, no groups
 
 

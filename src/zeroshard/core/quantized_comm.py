@@ -51,6 +51,7 @@ class _DecodeGather:
                  plan: BlockPlan | None):
         self.handle, self.packed, self.output, self.rows = handle, packed, output, rows
         self.plan = plan
+        self.rows_packed: torch.Tensor | None = None
 
     def wait(self) -> None:
         """Wait for the gather and decode it (once)."""
@@ -58,6 +59,7 @@ class _DecodeGather:
             self.handle.wait()
             self.handle = None
         if self.packed is not None:
+            self.rows_packed = self.packed  # what was decoded (hpZ keeps its group's rows)
             numel = self.output.numel() // self.rows
             plan = self.plan
             fix = plan.fixups(range(self.rows), self.packed.device) if plan else None
@@ -90,6 +92,17 @@ def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
     handle = comm.all_gather(packed, own, async_op=True, unit=unit)
     gather = _DecodeGather(handle, packed, output, rows, plan)
     return gather if async_op else gather.wait()
+
+
+def packed_all_gather(comm: Comm, output: torch.Tensor, rows_packed: torch.Tensor, rows: int,
+                      unit=None, plan: BlockPlan | None = None):
+    """hpZ under qwZ: gather rows already packed by `quantized_all_gather` (this rank holds
+    `rows_packed`, [rows / comm.world_size, width] uint8, its group's consecutive rows) and
+    decode all `rows` into `output`: the same weights the packed rows first decoded to."""
+    packed = torch.empty(rows * rows_packed.shape[1], dtype=torch.uint8,
+                         device=rows_packed.device)
+    handle = comm.all_gather(packed, rows_packed.view(-1), async_op=True, unit=unit)
+    return _DecodeGather(handle, packed, output, rows, plan)
 
 
 class HostGroups:

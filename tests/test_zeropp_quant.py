@@ -214,8 +214,13 @@ def _hierarchical(rank, world):
         .view(-1, block).amax(dim=1) / 127
     bound = scales.repeat_interleave(block)[:numel] / 2 + exact.abs() * 2.0 ** -20
     sent = comm.report()
+    # The device-backend path (a native reduce-scatter of regrouped pieces) gives the same sums.
+    groups.intra.composed = False
+    native = buffers[rank].clone()
+    groups.reduce_scatter(native).wait()
     groups.destroy()
     return {"within": bool(((full[mine] - exact).abs() <= bound).all()),
+            "native_equal": torch.equal(native[mine], full[mine]),
             "error": (full[mine] - exact).abs().max().item(), "bytes": sent,
             "single_host": HostGroups.for_comm(_one_host(comm)) is None}
 
@@ -278,6 +283,14 @@ def test_loss_stays_near_plain_stage3(results, name):
         assert got["losses"][0] != plain["losses"][0]  # the weights did go through the codec
 
 
+def test_hpz_changes_nothing_under_quantization(results):
+    """hpZ's backward gathers decode the forward's own int8 rows: bitwise the same training."""
+    for got in results:
+        assert got["train"]["all3"]["losses"] == got["train"]["both"]["losses"]
+        for key, tensor in got["train"]["all3"]["exact"].items():
+            assert torch.equal(tensor, got["train"]["both"]["exact"][key]), key
+
+
 @pytest.mark.parametrize("name", ["plain", "qwZ", "both", "all3"])
 def test_every_rank_computes_with_the_same_weights(results, name):
     first = results[0]["train"][name]["seen"]
@@ -316,6 +329,7 @@ def test_ledger_counts_quantized_bytes(results):
     gather = sum(4 * s for s in sizes) * ring  # one fp32 gather of every unit
     gather_q = sum(n * _packed(s // n, WEIGHT_BLOCK, st, n) for s, st in zip(sizes, starts)) * ring
     reduce_intra = sum(4 * s for s in sizes) * (PER_HOST - 1) / PER_HOST  # inside the host
+    gather_q_intra = gather_q / ring * (PER_HOST - 1) / PER_HOST
     # One packed slot per other host.
     reduce_cross = sum((HOSTS - 1) * _packed(s // n, GRADIENT_BLOCK, st, n)
                        for s, st in zip(sizes, starts))
@@ -324,8 +338,8 @@ def test_ledger_counts_quantized_bytes(results):
         "qwZ": (2 * gather_q + gather, (2 * gather_q + gather) * cross),
         "qgZ": (2 * gather + reduce_intra + reduce_cross, 2 * gather * cross + reduce_cross),
         "both": (2 * gather_q + reduce_intra + reduce_cross, 2 * gather_q * cross + reduce_cross),
-        # hpZ: backward gathers the (decoded) secondary shards inside the host, unquantized
-        "all3": (gather_q + reduce_intra + reduce_intra + reduce_cross,
+        # hpZ: backward gathers the secondary shards (the forward's int8 rows) inside the host
+        "all3": (gather_q + gather_q_intra + reduce_intra + reduce_cross,
                  gather_q * cross + reduce_cross),
     }
     slack = 8 * len(sizes)  # per-collective rounding of the ring model to whole bytes
@@ -344,6 +358,7 @@ def test_ledger_counts_quantized_bytes(results):
 def test_hierarchical_reduce_scatter_sums_every_rank(results):
     for rank, got in enumerate(results):
         assert got["hierarchical"]["within"], (rank, got["hierarchical"]["error"])
+        assert got["hierarchical"]["native_equal"], rank
         assert got["hierarchical"]["single_host"]  # one host: plain reduce-scatter, no groups
 
 

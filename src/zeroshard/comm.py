@@ -257,21 +257,26 @@ class _Watched:
 
 
 class _ExchangeReduceScatter:
-    """A reduce-scatter from point-to-point exchanges: send peers their slices, sum what arrives."""
+    """A reduce-scatter from point-to-point exchanges: send peers their slices, sum what arrives.
 
-    def __init__(self, comm: "Comm", full: torch.Tensor, ticket, unit=None):
-        slots = full.chunk(comm.world_size)
+    `rows` is [K, N, S]: peer p's slice is `rows[:, p]`, K contiguous pieces sent as K messages
+    (K = 1 for a plain reduce-scatter of a flat buffer)."""
+
+    def __init__(self, comm: "Comm", rows: torch.Tensor, ticket, unit=None):
         self.comm, self.ticket = comm, ticket
-        self.own = slots[comm.rank]
-        tag = comm.next_tag(unit, _REDUCE_SCATTER_TAG)
+        self.own = rows[:, comm.rank]
+        tags = [comm.next_tag(unit, _REDUCE_SCATTER_TAG) for _ in range(rows.shape[0])]
         self.received, ops = [], []
         for peer in range(comm.world_size):
             if peer == comm.rank:
                 continue
-            incoming = torch.empty_like(self.own)
+            incoming = torch.empty(self.own.shape, dtype=rows.dtype, device=rows.device)
             self.received.append(incoming)
-            ops.append(dist.P2POp(dist.isend, slots[peer], comm._ranks[peer], comm.group, tag))
-            ops.append(dist.P2POp(dist.irecv, incoming, comm._ranks[peer], comm.group, tag))
+            for k, tag in enumerate(tags):
+                ops.append(dist.P2POp(dist.isend, rows[k, peer], comm._ranks[peer], comm.group,
+                                      tag))
+                ops.append(dist.P2POp(dist.irecv, incoming[k], comm._ranks[peer], comm.group,
+                                      tag))
         self.requests = dist.batch_isend_irecv(ops)
         comm._started(self.requests, ticket)
 
@@ -425,21 +430,30 @@ class Comm:
         The rest of `full` is left unspecified. Reducing in place spares a shard-sized output
         buffer per collective in flight. `unit` is named in desync reports.
         """
+        return self.reduce_scatter_rows(full.view(1, self.world_size, -1), async_op, unit)
+
+    def reduce_scatter_rows(self, rows: torch.Tensor, async_op: bool = False, unit=None):
+        """Sum `rows` ([K, N, S], N = this group's size) across ranks into `rows[:, rank]`, in
+        place: a reduce-scatter whose slices are K pieces apart (qgZ's host step reduces a
+        unit's slots (h, l) for every host h at local rank l without a copy to regroup them).
+        The rest of `rows` is left unspecified."""
         if self.strict:
-            self._refuse_host("reduce_scatter", full)
-        self._count("reduce_scatter", full.numel() * full.element_size(), 1.0)
+            self._refuse_host("reduce_scatter", rows)
+        self._count("reduce_scatter", rows.numel() * rows.element_size(), 1.0)
         if self.world_size == 1:
             return None
-        own = full.chunk(self.world_size)[self.rank]
+        own = rows[:, self.rank]
         ticket = self._ticket("reduce-scatter", unit)
         if not self.composed:
-            out = torch.empty_like(own)
-            works = [_REDUCE_SCATTER(out, full, group=self.group, async_op=True)]
+            # Native: regroup so that each rank's K pieces are contiguous (a copy when K > 1).
+            full = rows.transpose(0, 1).reshape(-1)
+            out = torch.empty(own.shape, dtype=rows.dtype, device=rows.device)
+            works = [_REDUCE_SCATTER(out.view(-1), full, group=self.group, async_op=True)]
             self._started(works, ticket)
             # The last step of a native reduce-scatter: copy the received slice into place.
             handle = _Watched(self, works, ticket, then=lambda: own.copy_(out))
         else:
-            handle = _ExchangeReduceScatter(self, full, ticket, unit)
+            handle = _ExchangeReduceScatter(self, rows, ticket, unit)
         return handle if async_op else handle.wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int, unit=None):

@@ -22,6 +22,11 @@ Communication plan, per micro-step (P-rank groups from `host_group_comm`):
      checkpoint, writing parameters through GatheredParameters, or a reset drops them too.
 Memory: up to Psi / P elements per rank in the compute dtype between forward and step (the memory
 ledger counts them under params on the device).
+
+With qwZ the forward's gather is int8 (`quantized_comm.py`): the secondary shard is then this
+group's share of those packed int8 rows (about 1/4 of the fp32 bytes), and the group's gathers in
+step 2 move and decode the packed rows, so backward computes with exactly the weights the forward
+decoded (bitwise), from a quarter of the memory and intra-host bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import torch.distributed as dist
 from ..comm import Comm
 from .desync import watch_collectives
 from .layout import Unit
+from .quantize import WEIGHT_BLOCK
+from .quantized_comm import packed_all_gather
 from .stage3 import Stage3
 
 #: The config key, named in errors.
@@ -97,8 +104,9 @@ class Stage3HPZ(Stage3):
         self.host_comm = host_group_comm(self.comm, hpz_partition_size)
         #: unit index -> this rank's 1/P slice of the unit's current full buffer.
         self.secondary: dict[int, torch.Tensor] = {}
-        #: units whose secondary shard holds qwZ-decoded weights (`quantized_comm.py`).
+        #: units whose secondary shard holds qwZ's int8 rows (`quantized_comm.py`), not weights.
         self.secondary_lossy: set[int] = set()
+        self.keeps_packed = True
 
     def secondary_bounds(self, unit: Unit) -> tuple[int, int]:
         """`[start, end)` of this rank's secondary shard in the unit's flat buffer."""
@@ -112,9 +120,17 @@ class Stage3HPZ(Stage3):
         if self.keeps_gradients and wants_backward and index not in self.secondary and \
                 index in self.sharded and \
                 unit.is_gathered and index not in self.pending and not self.pinned.get(index):
-            self.secondary[index] = unit.flat[slice(*self.secondary_bounds(unit))].clone()
-            if index in self.lossy:  # qwZ: a copy of decoded int8 blocks, not the exact weights
+            gather = self.packed.get(index)
+            if index in self.lossy and gather is not None and gather.rows_packed is not None:
+                # qwZ: keep this group's int8 rows (1/4 of fp32), decoded again on each gather
+                # into the very weights the forward used.
+                rows = self.comm.world_size // self.hpz
+                g = self.host_comm.rank
+                packed = gather.rows_packed.view(self.comm.world_size, -1)
+                self.secondary[index] = packed[g * rows:(g + 1) * rows].clone()
                 self.secondary_lossy.add(index)
+            else:
+                self.secondary[index] = unit.flat[slice(*self.secondary_bounds(unit))].clone()
         super()._release_after_forward(index, wants_backward)
 
     def _issue(self, unit: Unit, exact: bool = False) -> None:
@@ -129,7 +145,11 @@ class Stage3HPZ(Stage3):
         self.live_numel += unit.padded_numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         with self.streams.on("gather"):
-            handle = self.host_comm.all_gather(flat, secondary, async_op=True, unit=unit)
+            if unit.index in self.secondary_lossy:
+                handle = packed_all_gather(self.host_comm, flat, secondary, self.comm.world_size,
+                                           unit, self._block_plan(unit, WEIGHT_BLOCK))
+            else:
+                handle = self.host_comm.all_gather(flat, secondary, async_op=True, unit=unit)
         self.pending[unit.index] = _Done() if handle is None else handle
 
     def drop_secondary(self, index: int | None = None) -> None:

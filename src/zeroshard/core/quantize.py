@@ -127,8 +127,21 @@ def _scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _to_int(scaled: torch.Tensor) -> torch.Tensor:
-    """Round scaled values to the int8 range (non-finite ones, under a nan scale, send 0)."""
-    return scaled.nan_to_num_(0.0, _QMAX, -_QMAX).round_().clamp_(-_QMAX, _QMAX)
+    """Round scaled values in place (non-finite ones, under a nan scale, send 0). Finite ones
+    already lie in [-127, 127] (up to rounding of the product: never past 127.5), so no clamp."""
+    return scaled.nan_to_num_(0.0, _QMAX, -_QMAX).round_()
+
+
+def _block_max(values: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dimension (nan if any is nan): two reductions, no |x| temporary."""
+    return torch.maximum(values.amax(dim=-1), values.amin(dim=-1).neg_())
+
+
+def _pieces(numel: int, block: int) -> list[tuple[int, int, int]]:
+    """(first element, end, first block) of the whole blocks of a row, then of its short tail."""
+    whole = numel // block * block
+    pieces = [(0, whole, 0)] if whole else []
+    return pieces + ([(whole, numel, whole // block)] if whole != numel else [])
 
 
 def quantize_into(rows: torch.Tensor, packed: torch.Tensor, block: int = BLOCK,
@@ -142,13 +155,11 @@ def quantize_into(rows: torch.Tensor, packed: torch.Tensor, block: int = BLOCK,
                          f"{packed.dtype} {tuple(packed.shape)}")
     blocks = num_blocks(numel, block)
     values = rows.float()
-    padded = values
-    if blocks * block != numel:
-        padded = torch.nn.functional.pad(values, (0, blocks * block - numel))
-    padded = padded.view(count, blocks, block)
-    amax = padded.abs().amax(dim=2)
-    if extra:
-        amax = torch.cat([amax, amax.new_zeros(count, extra)], dim=1)
+    pieces = [(values[:, a:b].unflatten(1, (-1, min(block, b - a))), a, b, first)
+              for a, b, first in _pieces(numel, block)]
+    amax = values.new_zeros(count, blocks + extra)
+    for piece, a, b, first in pieces:
+        amax[:, first:first + piece.shape[1]] = _block_max(piece)
     if fix is not None:
         picked = values[fix.rows, fix.cols]
         # Split blocks: each part's maximum replaces the whole block's (include_self=False).
@@ -156,9 +167,12 @@ def quantize_into(rows: torch.Tensor, packed: torch.Tensor, block: int = BLOCK,
                                              picked.abs(), "amax", include_self=False)
         amax = amax.view(count, -1)
     scale, inverse = _scales(amax)
-    scaled = _to_int(padded * inverse[:, :blocks].unsqueeze(2))
     ints = packed[:, :numel].view(torch.int8)
-    ints.copy_(scaled.view(count, -1)[:, :numel])
+    for piece, a, b, first in pieces:
+        # A copy, then an in-place multiply: on the CPU twice as fast as `piece * inverse`.
+        scaled = piece.to(torch.float32, copy=True)
+        scaled.mul_(inverse[:, first:first + piece.shape[1]].unsqueeze(2))
+        ints[:, a:b].copy_(_to_int(scaled).flatten(1))
     if fix is not None:
         ints[fix.rows, fix.cols] = _to_int(picked * inverse[fix.rows, fix.slots]).to(torch.int8)
     start = _data_bytes(numel)
@@ -195,13 +209,14 @@ def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int = BLOCK,
                          f"{numel} values, got shape {tuple(packed.shape)}")
     values = packed[:, :numel].view(torch.int8)
     scale = packed[:, _data_bytes(numel):].view(torch.float32)
-    whole = numel // block  # full blocks: one broadcast multiply; then the short last block
-    if whole:
-        body = values[:, :whole * block].unflatten(1, (whole, block))
-        out[:, :whole * block].unflatten(1, (whole, block)).copy_(
-            body.float().mul_(scale[:, :whole].unsqueeze(2)))
-    if whole * block != numel:
-        out[:, whole * block:].copy_(values[:, whole * block:].float().mul_(scale[:, whole:whole + 1]))
+    for a, b, first in _pieces(numel, block):
+        # int8 -> output dtype (exact: |q| <= 127), then times the scale in place: two
+        # vectorized passes, 7x faster on the CPU than one mixed-dtype `torch.mul(out=...)`.
+        # The product is formed in fp32 and rounded once to the output dtype either way.
+        size = min(block, b - a)
+        target = out[:, a:b].unflatten(1, (-1, size))
+        target.copy_(values[:, a:b].unflatten(1, (-1, size)))
+        target.mul_(scale[:, first:first + (b - a) // size].unsqueeze(2))
     if fix is not None:
         out[fix.rows, fix.cols] = (values[fix.rows, fix.cols].float()
                                    * scale[fix.rows, fix.slots]).to(out.dtype)

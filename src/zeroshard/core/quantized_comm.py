@@ -12,11 +12,13 @@ S x element size (about 1/4 of fp32, 1/2 of bf16/fp16).
 qgZ (`HostGroups.reduce_scatter`), for N = H hosts x P ranks (torchrun's layout: global rank
 r = h*P + l on host h, local rank l). The unit's gradient buffer holds N slots of S values; slot
 r is rank r's after the reduction. Plan:
-  1. permute the slots so that local rank l's chunk holds the slots (h, l) of every host h;
-  2. reduce-scatter in full precision (the reduction's dtype) inside the host: local rank l now
-     has its host's sums of the slots (0, l), (1, l), ... (H-1, l);
+  1. (no step: the buffer is viewed as [H, P, S]; local rank l's piece is column l, the slots
+     (h, l) of every host h, H pieces apart);
+  2. reduce-scatter in full precision (the reduction's dtype) inside the host, piece by piece
+     (`Comm.reduce_scatter_rows`: no copy on gloo): local rank l now has its host's sums of the
+     slots (0, l), (1, l), ... (H-1, l), in place;
   3. across hosts, between the H ranks with local rank l: send host h' the slot (h', l)
-     quantized in blocks of GRADIENT_BLOCK (one all-to-all of packed rows), and sum the H-1
+     quantized in blocks of GRADIENT_BLOCK cut at parameter starts (one all-to-all of packed rows), and sum the H-1
      rows that arrive, decoded in fp32, with this host's own (exact) sum of slot (h, l), which
      is this rank's slot.
 Only step 3 crosses hosts, with packed_size(S) bytes per peer host instead of P x S x element
@@ -49,6 +51,7 @@ class _DecodeGather:
                  plan: BlockPlan | None):
         self.handle, self.packed, self.output, self.rows = handle, packed, output, rows
         self.plan = plan
+        self.rows_packed: torch.Tensor | None = None
 
     def wait(self) -> None:
         """Wait for the gather and decode it (once)."""
@@ -56,6 +59,7 @@ class _DecodeGather:
             self.handle.wait()
             self.handle = None
         if self.packed is not None:
+            self.rows_packed = self.packed  # what was decoded (hpZ keeps its group's rows)
             numel = self.output.numel() // self.rows
             plan = self.plan
             fix = plan.fixups(range(self.rows), self.packed.device) if plan else None
@@ -88,6 +92,17 @@ def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
     handle = comm.all_gather(packed, own, async_op=True, unit=unit)
     gather = _DecodeGather(handle, packed, output, rows, plan)
     return gather if async_op else gather.wait()
+
+
+def packed_all_gather(comm: Comm, output: torch.Tensor, rows_packed: torch.Tensor, rows: int,
+                      unit=None, plan: BlockPlan | None = None):
+    """hpZ under qwZ: gather rows already packed by `quantized_all_gather` (this rank holds
+    `rows_packed`, [rows / comm.world_size, width] uint8, its group's consecutive rows) and
+    decode all `rows` into `output`: the same weights the packed rows first decoded to."""
+    packed = torch.empty(rows * rows_packed.shape[1], dtype=torch.uint8,
+                         device=rows_packed.device)
+    handle = comm.all_gather(packed, rows_packed.view(-1), async_op=True, unit=unit)
+    return _DecodeGather(handle, packed, output, rows, plan)
 
 
 class HostGroups:
@@ -154,10 +169,9 @@ class _HierarchicalReduceScatter:
         self.groups, self.full, self.unit, self.plan = groups, full, unit, plan
         hosts, per_host = groups.hosts, groups.per_host
         self.numel = full.numel() // (hosts * per_host)
-        # Slot (h, l) moves to chunk l, row h: the host reduce-scatter then gives local rank l
-        # exactly the rows the cross-host step needs.
-        full.copy_(full.view(hosts, per_host, self.numel).transpose(0, 1).reshape(-1))
-        self.handle = groups.intra.reduce_scatter(full, async_op=True, unit=unit)
+        # Local rank l reduces the slots (h, l) of every host h: rows [H, P, S], pieces H apart.
+        self.slots = full.view(hosts, per_host, self.numel)
+        self.handle = groups.intra.reduce_scatter_rows(self.slots, async_op=True, unit=unit)
 
     def wait(self) -> None:
         """Finish the host reduce-scatter, exchange across hosts quantized, sum into the slot."""
@@ -167,8 +181,8 @@ class _HierarchicalReduceScatter:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
-        rows = self.full.view(groups.per_host, groups.hosts, numel)[groups.local]
-        total = rows[groups.host].to(torch.float32, copy=True)
+        rows = self.slots[:, groups.local]  # [H, S]: this host's sums of slots (h, l)
+        own = rows[groups.host]  # slot (host, l): this rank's, in place in `full`
         others = [h for h in range(groups.hosts) if h != groups.host]
         # Row h of `rows` is shard row (h, l) of the unit; every row received is this rank's.
         send = quantize(rows[others], GRADIENT_BLOCK, self.plan,
@@ -177,7 +191,11 @@ class _HierarchicalReduceScatter:
         width = send.shape[1]
         splits = [0 if h == groups.host else width for h in range(groups.hosts)]
         groups.inter.all_to_all(received.view(-1), send.view(-1), splits, splits)
-        total += dequantize(received, numel, torch.float32, GRADIENT_BLOCK, self.plan,
-                            [groups.rank] * len(others)).sum(dim=0)
-        self.full[groups.rank * numel:(groups.rank + 1) * numel].copy_(total)
+        arrived = dequantize(received, numel, torch.float32, GRADIENT_BLOCK, self.plan,
+                             [groups.rank] * len(others)).sum(dim=0)
+        if own.dtype == torch.float32:
+            own.add_(arrived)
+        else:  # summed in fp32, stored in the reduction dtype
+            own.copy_(arrived.add_(own))
+        self.slots = None
         self.full = None

@@ -107,6 +107,10 @@ class Stage3(Stage2):
         self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
         self.host_groups: HostGroups | None = None  # qgZ's process groups (set up in setup())
         self.block_plans: dict[tuple[int, int], BlockPlan] = {}  # (unit, block) -> qwZ/qgZ plan
+        #: qwZ: unit index -> its gather, whose int8 rows stay readable while the unit is
+        #: gathered (`rows_packed`); kept only where `keeps_packed` (hpZ's secondary shards).
+        self.packed: dict[int, object] = {}
+        self.keeps_packed = False
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -181,8 +185,11 @@ class Stage3(Stage2):
         `exact` (weights a user reads or modifies: GatheredParameters, close)."""
         if self.options.quantized_weights and not exact and self.comm.world_size > 1:
             self.lossy.add(unit.index)
-            return quantized_all_gather(self.comm, flat, source, async_op=True, unit=unit,
-                                        plan=self._block_plan(unit, WEIGHT_BLOCK))
+            gather = quantized_all_gather(self.comm, flat, source, async_op=True, unit=unit,
+                                          plan=self._block_plan(unit, WEIGHT_BLOCK))
+            if self.keeps_packed:
+                self.packed[unit.index] = gather
+            return gather
         return self.comm.all_gather(flat, source, async_op=True, unit=unit)
 
     def unshard(self, indices, exact: bool = False) -> None:
@@ -212,6 +219,7 @@ class Stage3(Stage2):
             handle.wait()  # never free storage a collective is still writing
         unit.release(self.gathered_pool)
         self.lossy.discard(index)
+        self.packed.pop(index, None)
         self.live_numel -= unit.padded_numel
 
     def reshard_all(self) -> None:

@@ -499,7 +499,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--width", type=int, default=384, help="d_model (heads = width / 64)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")

@@ -82,7 +82,8 @@ class BlockPlan:
         extra = 0
         for row in range(rows):
             lo = row * shard_numel
-            cuts = sorted({s - lo for s in starts if lo < s < lo + shard_numel and (s - lo) % block})
+            cuts = sorted({s - lo for s in starts
+                           if lo < s < lo + shard_numel and (s - lo) % block})
             cols, slots, used = [], [], 0
             by_block: dict[int, list[int]] = {}
             for cut in cuts:

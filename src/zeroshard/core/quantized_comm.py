@@ -18,9 +18,9 @@ r is rank r's after the reduction. Plan:
      (`Comm.reduce_scatter_rows`: no copy on gloo): local rank l now has its host's sums of the
      slots (0, l), (1, l), ... (H-1, l), in place;
   3. across hosts, between the H ranks with local rank l: send host h' the slot (h', l)
-     quantized in blocks of GRADIENT_BLOCK cut at parameter starts (one all-to-all of packed rows), and sum the H-1
-     rows that arrive, decoded in fp32, with this host's own (exact) sum of slot (h, l), which
-     is this rank's slot.
+     quantized in blocks of GRADIENT_BLOCK cut at parameter starts (one all-to-all of packed
+     rows), and add the H-1 rows that arrive, decoded in fp32, into this host's own (exact) sum
+     of slot (h, l), which is this rank's slot, in place.
 Only step 3 crosses hosts, with packed_size(S) bytes per peer host instead of P x S x element
 size per host under a flat ring. Quantizing happens on partial sums, so `core/reduction.py`'s
 pre-division and dtype apply unchanged before step 1 and its post-division after step 3.

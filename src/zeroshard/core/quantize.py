@@ -75,7 +75,6 @@ class BlockPlan:
     row r is the shard [r*S, (r+1)*S)."""
 
     def __init__(self, starts: Sequence[int], shard_numel: int, block: int, rows: int):
-        self.block, self.shard_numel = block, shard_numel
         regular = num_blocks(shard_numel, block)
         # Per row: (position, slot) of every element of a split block.
         self._per_row: list[tuple[list[int], list[int]]] = []
@@ -97,8 +96,7 @@ class BlockPlan:
                 used += len(inner)
             self._per_row.append((cols, slots))
             extra = max(extra, used)
-        self.extra = extra
-        self.width = packed_size(shard_numel, block, extra)
+        self.extra = extra  # scales per row beyond the regular ones: packed_size(S, block, extra)
         self._cache: dict[tuple[int, ...], Fixups | None] = {}
 
     def fixups(self, row_ids: Sequence[int], device: torch.device) -> Fixups | None:

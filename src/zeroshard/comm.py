@@ -42,6 +42,7 @@ import datetime
 import os
 import pickle
 import sys
+import time
 import warnings
 from collections import defaultdict
 
@@ -164,6 +165,35 @@ def _destroy_at_exit() -> None:
         return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        _await_store_thread()
+
+
+#: Name of the thread that serves torch's TCPStore (rank 0's rendezvous store).
+_STORE_THREAD = "pt_tcpstore_uv"
+
+
+def _await_store_thread(timeout_s: float = 2.0) -> None:
+    """Wait (at most `timeout_s`) for the TCPStore server's thread to end: freeing the store
+    stops its event loop, but the thread exits a moment later, and in about one exit in four it
+    was still running when the interpreter began finalizing. Linux only (/proc); elsewhere a
+    no-op."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+
+    def alive() -> bool:
+        for task in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{task}/comm") as fh:
+                    if fh.read().strip() == _STORE_THREAD:
+                        return True
+            except OSError:  # the thread ended while we looked
+                continue
+        return False
+
+    deadline = time.monotonic() + timeout_s
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _slurm_master() -> str | None:

@@ -140,6 +140,11 @@ def wait_all(handles) -> None:
             handle.wait()
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in (pageable) host memory, for a gloo collective."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
+
+
 class _Watched:
     """One collective's work objects, waited through the Comm (and its watchdog, if any)."""
 
@@ -162,8 +167,8 @@ class _ExchangeReduceScatter:
     `rows` is [K, N, S]: peer p's slice is `rows[:, p]`, K contiguous pieces sent as K messages
     (K = 1 for a plain reduce-scatter of a flat buffer)."""
 
-    def __init__(self, comm: "Comm", rows: torch.Tensor, ticket, unit=None):
-        self.comm, self.ticket = comm, ticket
+    def __init__(self, comm: "Comm", rows: torch.Tensor, ticket, unit=None, then=None):
+        self.comm, self.ticket, self.then = comm, ticket, then
         self.own = rows[:, comm.rank]
         tags = [comm.next_tag(unit, _REDUCE_SCATTER_TAG) for _ in range(rows.shape[0])]
         self.received, ops = [], []
@@ -189,6 +194,9 @@ class _ExchangeReduceScatter:
         for incoming in self.received:
             self.own.add_(incoming)
         self.received.clear()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 class Comm:
@@ -201,6 +209,11 @@ class Comm:
     slices it receives (at 16 M fp32 elements: 35 ms vs 45 ms for N reduces and 37 ms for a
     whole all-reduce at N=2; 75 / 90 / 112 ms at N=4). Their point-to-point tags name the unit
     (`next_tag`). The ledger counts the collective's ring-model bytes either way.
+
+    gloo's transport reads and writes host memory only (given a CUDA tensor, torch 2.11's gloo
+    failed with "writev: Bad address"). So a gloo group handed device tensors, e.g. two ranks
+    sharing one GPU, where NCCL refuses, stages each collective through host copies
+    (`_on_host`): correct, and as slow as such a set-up is anyway.
     """
 
     def __init__(self, group=None, host: bool = False):
@@ -236,13 +249,18 @@ class Comm:
         else:
             self.watch.wait(works, ticket)
 
-    def _run(self, kind: str, unit, issue, async_op: bool = False):
-        """Issue one collective (`issue()` returns its work objects); wait unless `async_op`."""
+    def _run(self, kind: str, unit, issue, async_op: bool = False, then=None):
+        """Issue one collective (`issue()` returns its work objects); wait unless `async_op`.
+        `then`: a last local step, run once the collective has finished."""
         ticket = self._ticket(kind, unit)
         works = [w for w in issue() if w is not None]
         self._started(works, ticket)
-        handle = _Watched(self, works, ticket)
+        handle = _Watched(self, works, ticket, then)
         return handle if async_op else handle.wait()
+
+    def _on_host(self, *tensors: torch.Tensor) -> bool:
+        """Whether this collective must run on host copies: a gloo group, device tensors."""
+        return self.composed and any(t.device.type != "cpu" for t in tensors)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -293,6 +311,11 @@ class Comm:
         self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
         if self.world_size == 1:
             return None
+        if self._on_host(tensor):
+            host = _host_copy(tensor)
+            return self._run("all-reduce", unit, lambda: [
+                dist.all_reduce(host, op=op, group=self.group, async_op=True)], async_op,
+                then=lambda: tensor.copy_(host))
         return self._run("all-reduce", unit, lambda: [
             dist.all_reduce(tensor, op=op, group=self.group, async_op=True)], async_op)
 
@@ -306,6 +329,12 @@ class Comm:
             if shard.data_ptr() != output.data_ptr():
                 output.copy_(shard)
             return None
+        if self._on_host(output, shard):
+            host_out = torch.empty(output.shape, dtype=output.dtype, device="cpu")
+            host_shard = _host_copy(shard)  # before anything writes `output`: `shard` may alias it
+            return self._run("all-gather", unit,
+                             lambda: self._issue_all_gather(host_out, host_shard, unit), async_op,
+                             then=lambda: output.copy_(host_out))
         return self._run("all-gather", unit,
                          lambda: self._issue_all_gather(output, shard, unit), async_op)
 
@@ -352,6 +381,10 @@ class Comm:
             self._started(works, ticket)
             # The last step of a native reduce-scatter: copy the received slice into place.
             handle = _Watched(self, works, ticket, then=lambda: own.copy_(out))
+        elif self._on_host(rows):
+            host = _host_copy(rows)
+            handle = _ExchangeReduceScatter(self, host, ticket, unit,
+                                            then=lambda: own.copy_(host[:, self.rank]))
         else:
             handle = _ExchangeReduceScatter(self, rows, ticket, unit)
         return handle if async_op else handle.wait()
@@ -361,9 +394,13 @@ class Comm:
         if self.strict:
             self._refuse_host("broadcast", tensor)
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
-        if self.world_size > 1:
-            self._run("broadcast", unit, lambda: [
-                dist.broadcast(tensor, src=self._ranks[src], group=self.group, async_op=True)])
+        if self.world_size == 1:
+            return
+        target = _host_copy(tensor) if self._on_host(tensor) else tensor
+        self._run("broadcast", unit, lambda: [
+            dist.broadcast(target, src=self._ranks[src], group=self.group, async_op=True)])
+        if target is not tensor:
+            tensor.copy_(target)
 
     def all_to_all(self, received: torch.Tensor, send: torch.Tensor, received_splits: list[int],
                    send_splits: list[int]) -> None:
@@ -381,8 +418,14 @@ class Comm:
         if self.world_size == 1:
             received.copy_(send)
             return
+        staged = self._on_host(received, send)
+        into = torch.empty(received.shape, dtype=received.dtype, device="cpu") if staged \
+            else received
+        source = _host_copy(send) if staged else send
         self._run("all-to-all", None, lambda: [dist.all_to_all_single(
-            received, send, received_splits, send_splits, group=self.group, async_op=True)])
+            into, source, received_splits, send_splits, group=self.group, async_op=True)])
+        if staged:
+            received.copy_(into)
 
     def barrier(self) -> None:
         """Wait for every rank."""

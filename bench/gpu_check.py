@@ -38,7 +38,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTIONS = ("matrix", "gloo2", "streams", "largest")
 # Seconds per section (together under 8 minutes); tripled under --cpu, where the CPU does it all.
-LIMITS = {"matrix": 220, "gloo2": 60, "streams": 50, "largest": 120}
+LIMITS = {"matrix": 220, "gloo2": 60, "streams": 40, "largest": 160}
 PRECISIONS = ("fp32", "bf16", "fp16")
 PLACEMENTS = ("device", "cpu", "cpu_pinned", "nvme")
 # `rel_mean` a configuration may reach: the mean distance of its fp32 master weights from the fp32
@@ -128,6 +128,13 @@ def rel_error(state: dict, ref_before: dict, ref_after: dict) -> dict:
     update = torch.cat([(ref_after[k] - ref_before[k]).abs().reshape(-1) for k in ref_after])
     return {"rel_max": diff.max().item() / max(update.max().item(), 1e-12),
             "rel_mean": diff.mean().item() / max(update.mean().item(), 1e-12)}
+
+
+def failure(err: BaseException) -> str:
+    """`err` for the report: its type, message and the last frames it passed (file:line)."""
+    frames = traceback.extract_tb(err.__traceback__)[-4:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(err).__name__}: {str(err)[:300]} [at {where}]"
 
 
 def train_step(engine, step: int, rank: int = 0, world: int = 1) -> float:
@@ -252,7 +259,7 @@ def section_matrix(quick: bool) -> dict:
                         engine.destroy()
                         fresh.destroy()
                 except Exception as err:  # noqa: BLE001 - the report names it; the matrix goes on
-                    cell["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    cell["error"] = failure(err)
                     cell["ok"] = False
                 cell["seconds"] = round(time.perf_counter() - start, 2)
                 cells.append(cell)
@@ -281,7 +288,7 @@ def _gloo2_rank(rank: int, port: int, out: str) -> None:
                                        "on": str(next(engine.module.parameters()).device)}
             engine.destroy()
         except Exception as err:  # noqa: BLE001
-            result[f"stage{stage}"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            result[f"stage{stage}"] = {"error": failure(err)}
     with open(f"{out}.{rank}", "w") as fh:
         json.dump(result, fh)
     torch.distributed.destroy_process_group()
@@ -410,19 +417,30 @@ def _gpt_params(layers: int) -> int:
 
 
 def section_largest(quick: bool) -> dict:
-    """Largest GPT that trains one step: stage 3 + pinned CPU offload vs plain torch on the GPU."""
+    """Largest GPT that trains one step: stage 3 + pinned CPU offload vs plain torch on the GPU.
+
+    Each side searches in its own share of the time (doubling from a start, then bisecting); a
+    try that outlasts what is left ends that side's search. On the first H200 run plain torch
+    trained 64 layers (3.4 B parameters), so the GPU searches start near there."""
     out = {}
-    deadline = time.monotonic() + limit("largest") - 10
-    for mode in ("plain", "zeroshard"):
-        good, bad, layers = 0, None, 4
-        while time.monotonic() < deadline:
+    total = limit("largest") - 10
+    starts = {"plain": 64, "zeroshard": 32} if device().type == "cuda" else {"plain": 4,
+                                                                              "zeroshard": 4}
+    for mode, share in (("plain", 0.4), ("zeroshard", 0.6)):
+        deadline = time.monotonic() + share * total
+        good, bad, layers, tries = 0, None, starts[mode], []
+        while time.monotonic() < deadline - 5:
+            began = time.monotonic()
             try:
                 proc = subprocess.run([sys.executable, __file__, "--child-largest", mode, str(layers)],
                                       capture_output=True, text=True,
-                                      timeout=max(5, min(60, deadline - time.monotonic())))
+                                      timeout=max(5, min(100, deadline - time.monotonic())))
                 fits = proc.returncode == 0 and '"ok": true' in proc.stdout
+                why = None if fits else (proc.stdout + proc.stderr).strip()[-300:]
             except subprocess.TimeoutExpired:
-                fits = None  # too slow to tell: stop searching
+                fits, why = None, "out of time"  # too slow to tell: stop searching
+            tries.append({"layers": layers, "fits": fits, "seconds": round(time.monotonic() - began, 1),
+                          **({"why": why} if why else {})})
             if fits is None:
                 break
             if fits:
@@ -433,12 +451,14 @@ def section_largest(quick: bool) -> dict:
                 layers *= 2
             elif bad - good <= max(1, good // 8):
                 break
+            elif good == 0:
+                layers = max(1, bad // 2)
             else:
                 layers = (good + bad) // 2
             if (quick or device().type == "cpu") and good >= 8:
                 break
         out[mode] = {"layers": good, "params": _gpt_params(good) if good else 0,
-                     "first_failure_layers": bad}
+                     "first_failure_layers": bad, "tries": tries}
     if out["plain"]["params"]:
         out["ratio"] = out["zeroshard"]["params"] / out["plain"]["params"]
     return out
@@ -478,7 +498,9 @@ def environment() -> dict:
     import torch
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-            "cpu_mode": device().type == "cpu", "cpus": os.cpu_count()}
+            "cpu_mode": device().type == "cpu", "cpus": os.cpu_count(),
+            "host_memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                                     / 2**30, 1)}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "zeroshard"
 
 # Layer of each top-level name of the package: a module may import from its own layer or below.
 LAYERS = {
-    "comm": 0, "config": 0,
+    "comm": 0, "config": 0, "process_group": 0,
     "core": 1,
     "offload": 2, "checkpoint": 2, "sizing": 2,
     "engine": 3, "schedulers": 3,

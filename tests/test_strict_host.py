@@ -13,7 +13,10 @@ library's host-side code, as on a GPU machine. And what it catches:
   HostMemoryError;
 - the stage x placement x precision matrix runs under it, equals the same run without offload,
   saves and loads checkpoints, and leaves parameters reporting the compute device;
-- every torch factory call of the library names its device (host memory goes through hostmem).
+- every torch factory call of the library names its device (host memory goes through hostmem);
+- a gloo group given device tensors (two ranks sharing one GPU) runs each collective on host
+  copies: forced here on CPU tensors, every collective (async too, all-gather with the shard
+  aliasing its own slot) and two steps at stages 1-3 equal the unstaged run bitwise.
 """
 
 from __future__ import annotations
@@ -139,6 +142,56 @@ def _comm_checks(rank, world):
     return out
 
 
+def _collectives(comm, rank, world) -> dict:
+    """One call of each collective on fresh rank-dependent tensors; what each left."""
+    got = {}
+    tensor = torch.arange(world * 4, dtype=torch.float32) + 10 * rank
+    comm.all_reduce(tensor, async_op=True).wait()
+    got["all_reduce"] = tensor
+    tensor = torch.arange(world * 4, dtype=torch.float32) + 10 * rank
+    comm.broadcast(tensor, src=world - 1)
+    got["broadcast"] = tensor
+    full = torch.zeros(world * 4)
+    full[rank * 4:(rank + 1) * 4] = rank + 1.5
+    comm.all_gather(full, full[rank * 4:(rank + 1) * 4])  # the shard aliases its own slot
+    got["all_gather"] = full
+    full = torch.arange(world * 4, dtype=torch.float32) * (rank + 1)
+    comm.reduce_scatter(full, async_op=True).wait()
+    got["reduce_scatter"] = full[rank * 4:(rank + 1) * 4].clone()
+    rows = torch.arange(2 * world * 3, dtype=torch.float32).view(2, world, 3) * (rank + 1)
+    comm.reduce_scatter_rows(rows)
+    got["reduce_scatter_rows"] = rows[:, rank].clone()
+    received, sent = torch.empty(world * 2), torch.arange(world * 2, dtype=torch.float32) + 9 * rank
+    comm.all_to_all(received, sent, [2] * world, [2] * world)
+    got["all_to_all"] = received
+    return got
+
+
+def _staged(rank, world, root):
+    """Collectives and training with every collective staged through host copies (as a gloo
+    group does with device tensors) against the same without staging."""
+    plain = _collectives(Comm(), rank, world)
+    forced = Comm()
+    forced._on_host = lambda *tensors: True
+    staged = _collectives(forced, rank, world)
+    out = {kind: bool(torch.equal(plain[kind], staged[kind])) for kind in plain}
+    original = Comm._on_host
+    for stage in (1, 2, 3):
+        runs = []
+        for force in (False, True):
+            if force:
+                Comm._on_host = lambda self, *tensors: True
+            try:
+                engine, model = _engine(_config(stage, root=root))
+                _train(engine, rank, world, steps=2)
+                engine.destroy()
+            finally:
+                Comm._on_host = original
+            runs.append(_params(model))
+        out[f"stage{stage}"] = all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    return out
+
+
 def _small_config(stage, **zero):
     return {"train_micro_batch_size_per_gpu": 2,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,
@@ -239,7 +292,8 @@ def _all(rank, world):
     # Swap files in a directory of this rank's own; checkpoints in one all ranks share.
     ckpt = os.path.join(tempfile.gettempdir(), f"zs-strict-ckpt-{os.getppid()}")
     with tempfile.TemporaryDirectory() as tmp:
-        out = {"comm": _comm_checks(rank, world), "caught": _caught(rank, world, tmp),
+        out = {"comm": _comm_checks(rank, world), "staged": _staged(rank, world, tmp),
+               "caught": _caught(rank, world, tmp),
                "matrix": _matrix(rank, world, os.path.join(tmp, "nvme"), ckpt)}
     torch.distributed.barrier()
     if rank == 0:
@@ -262,6 +316,14 @@ def test_the_default_group_refuses_host_memory_naming_the_call_site(results, kin
         assert f"{kind} at test_strict_host.py:" in message and "(<lambda>)" in message
         assert "NCCL" in message and "to_device" in message
         assert got["comm"]["device_ok"]
+
+
+@pytest.mark.parametrize("what", ["all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                                  "reduce_scatter_rows", "all_to_all", "stage1", "stage2",
+                                  "stage3"])
+def test_gloo_with_device_tensors_runs_on_host_copies(results, what):
+    for rank, got in enumerate(results):
+        assert got["staged"][what], f"rank {rank}: {what} differs when staged through the host"
 
 
 @pytest.mark.parametrize("bug,where", [

@@ -1,4 +1,5 @@
-"""Process-group set-up and the one collective wrapper every zeroshard collective goes through.
+"""The one collective wrapper every zeroshard collective goes through (process-group start and
+exit: `process_group.py`, re-exported here).
 
 `Comm` counts, per rank, the bytes each collective moves under the ring model that the ZeRO paper
 uses: all-gather and reduce-scatter move (N-1)/N of the full (gathered / unreduced) payload, an
@@ -36,18 +37,16 @@ tensor reaching an NCCL collective is still an error. Side groups created for ho
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import datetime
 import os
 import pickle
-import sys
-import time
 import warnings
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from .process_group import env_int, init_distributed, leave_cleanly_at_exit  # noqa: F401 (public)
 
 # torch >= 2.13 renamed the tensor collectives; older releases only have the *_tensor names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -87,135 +86,6 @@ def call_site(skip_files: tuple[str, ...]) -> str:
     return "<unknown>"
 
 
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return None
-
-
-def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
-                     dist_backend: str | None = None, distributed_port: int | None = None,
-                     verbose: bool = True, **_ignored) -> None:
-    """Start the default process group from torchrun's (or Slurm's) environment; no-op if started.
-
-    DeepSpeed's spellings are accepted: `dist_backend` for `backend`, `distributed_port` for the
-    rendezvous port when the environment gives none; `verbose` and other keywords are ignored.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return
-    backend = backend or dist_backend
-    if distributed_port is not None:
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    rank = _env_int("RANK", "SLURM_PROCID")
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID")
-    if rank is None or world is None:
-        # A plain `python train.py` is a world of one: give it a private rendezvous.
-        rank, world, local_rank = 0, 1, 0
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    else:
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = _slurm_master() or "127.0.0.1"
-        os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world))
-    os.environ.setdefault("LOCAL_RANK", str(local_rank or 0))
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank or 0)
-    kwargs = {"timeout": timeout} if timeout is not None else {}
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if (restart is not None and "MASTER_PORT" in os.environ
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get("GROUP_WORLD_SIZE", "1") == "1"):
-        # Under torchrun's elastic agent the agent's store outlives a restart, and measured
-        # restarts intermittently read the previous attempt's gloo addresses from it
-        # ("connectFullMesh failed ... Connection refused"): key this attempt's rendezvous by the
-        # restart count. Only with one agent: each agent counts its own restarts, so across nodes
-        # the counts differ (a replaced node's agent starts at 0) and would split the ranks.
-        # There `zeroshard run` turns the shared store off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-        # and each attempt's rank 0 holds a fresh store: nothing stale to read.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
-        kwargs["store"] = dist.PrefixStore(f"zeroshard/attempt_{restart}", store)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
-    leave_cleanly_at_exit()
-
-
-def leave_cleanly_at_exit() -> None:
-    """Have the process groups destroyed at interpreter exit, before Python finalizes (idempotent).
-
-    A gloo worker thread that finishes a collective after the interpreter began finalizing drops
-    the last reference to the collective's tensors, needs the GIL to free them, and aborts the
-    whole process ("terminate called without an active exception"; seen once in about 35 two-rank
-    launches): a completed run then reports failure. Destroying the groups at exit joins those
-    threads while Python is still whole. After an uncaught exception nothing is done, so a
-    failing rank still leaves at once instead of waiting on its peers.
-    """
-    atexit.unregister(_destroy_at_exit)
-    atexit.register(_destroy_at_exit)
-
-
-def _destroy_at_exit() -> None:
-    if getattr(sys, "last_value", None) is not None:  # set by an uncaught exception
-        return
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        _await_store_thread()
-
-
-#: Name of the thread that serves torch's TCPStore (rank 0's rendezvous store).
-_STORE_THREAD = "pt_tcpstore_uv"
-
-
-def _await_store_thread(timeout_s: float = 2.0) -> None:
-    """Wait (at most `timeout_s`) for the TCPStore server's thread to end: freeing the store
-    stops its event loop, but the thread exits a moment later, and in about one exit in four it
-    was still running when the interpreter began finalizing. Linux only (/proc); elsewhere a
-    no-op."""
-    tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        return
-
-    def alive() -> bool:
-        for task in os.listdir(tasks):
-            try:
-                with open(f"{tasks}/{task}/comm") as fh:
-                    if fh.read().strip() == _STORE_THREAD:
-                        return True
-            except OSError:  # the thread ended while we looked
-                continue
-        return False
-
-    deadline = time.monotonic() + timeout_s
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.002)
-
-
-def _slurm_master() -> str | None:
-    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-    if not nodes:
-        return None
-    # "node[01-04],other" -> "node01"; good enough for the common contiguous case.
-    first = nodes.split(",")[0]
-    if "[" in first:
-        prefix, rest = first.split("[", 1)
-        first = prefix + rest.split("-")[0].split("]")[0]
-    return first
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class HostLayout:
     """Which host each global rank runs on: P consecutive ranks per host, in rank order."""
 
@@ -228,13 +98,13 @@ class HostLayout:
 
         One host when neither says (a plain process, or ranks spawned by hand on one machine).
         """
-        per_host = _env_int("LOCAL_WORLD_SIZE")
+        per_host = env_int("LOCAL_WORLD_SIZE")
         if per_host is None:
             slurm = os.environ.get("SLURM_NTASKS_PER_NODE", "")
             per_host = int(slurm) if slurm.isdigit() else None  # "2(x3)" forms: not uniform
         if per_host is None or per_host <= 0:
             return cls(world_size)
-        group_rank, rank = _env_int("GROUP_RANK"), _env_int("RANK")
+        group_rank, rank = env_int("GROUP_RANK"), env_int("RANK")
         if world_size % per_host or (group_rank is not None and rank is not None
                                      and group_rank != rank // per_host):
             # Hosts of different sizes: the ranks of host h are not h*P .. h*P+P-1.
@@ -270,6 +140,11 @@ def wait_all(handles) -> None:
             handle.wait()
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in (pageable) host memory, for a gloo collective."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
+
+
 class _Watched:
     """One collective's work objects, waited through the Comm (and its watchdog, if any)."""
 
@@ -292,8 +167,8 @@ class _ExchangeReduceScatter:
     `rows` is [K, N, S]: peer p's slice is `rows[:, p]`, K contiguous pieces sent as K messages
     (K = 1 for a plain reduce-scatter of a flat buffer)."""
 
-    def __init__(self, comm: "Comm", rows: torch.Tensor, ticket, unit=None):
-        self.comm, self.ticket = comm, ticket
+    def __init__(self, comm: "Comm", rows: torch.Tensor, ticket, unit=None, then=None):
+        self.comm, self.ticket, self.then = comm, ticket, then
         self.own = rows[:, comm.rank]
         tags = [comm.next_tag(unit, _REDUCE_SCATTER_TAG) for _ in range(rows.shape[0])]
         self.received, ops = [], []
@@ -319,6 +194,9 @@ class _ExchangeReduceScatter:
         for incoming in self.received:
             self.own.add_(incoming)
         self.received.clear()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 class Comm:
@@ -331,6 +209,11 @@ class Comm:
     slices it receives (at 16 M fp32 elements: 35 ms vs 45 ms for N reduces and 37 ms for a
     whole all-reduce at N=2; 75 / 90 / 112 ms at N=4). Their point-to-point tags name the unit
     (`next_tag`). The ledger counts the collective's ring-model bytes either way.
+
+    gloo's transport reads and writes host memory only (given a CUDA tensor, torch 2.11's gloo
+    failed with "writev: Bad address"). So a gloo group handed device tensors, e.g. two ranks
+    sharing one GPU, where NCCL refuses, stages each collective through host copies
+    (`_on_host`): correct, and as slow as such a set-up is anyway.
     """
 
     def __init__(self, group=None, host: bool = False):
@@ -366,13 +249,18 @@ class Comm:
         else:
             self.watch.wait(works, ticket)
 
-    def _run(self, kind: str, unit, issue, async_op: bool = False):
-        """Issue one collective (`issue()` returns its work objects); wait unless `async_op`."""
+    def _run(self, kind: str, unit, issue, async_op: bool = False, then=None):
+        """Issue one collective (`issue()` returns its work objects); wait unless `async_op`.
+        `then`: a last local step, run once the collective has finished."""
         ticket = self._ticket(kind, unit)
         works = [w for w in issue() if w is not None]
         self._started(works, ticket)
-        handle = _Watched(self, works, ticket)
+        handle = _Watched(self, works, ticket, then)
         return handle if async_op else handle.wait()
+
+    def _on_host(self, *tensors: torch.Tensor) -> bool:
+        """Whether this collective must run on host copies: a gloo group, device tensors."""
+        return self.composed and any(t.device.type != "cpu" for t in tensors)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -423,6 +311,11 @@ class Comm:
         self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
         if self.world_size == 1:
             return None
+        if self._on_host(tensor):
+            host = _host_copy(tensor)
+            return self._run("all-reduce", unit, lambda: [
+                dist.all_reduce(host, op=op, group=self.group, async_op=True)], async_op,
+                then=lambda: tensor.copy_(host))
         return self._run("all-reduce", unit, lambda: [
             dist.all_reduce(tensor, op=op, group=self.group, async_op=True)], async_op)
 
@@ -436,6 +329,12 @@ class Comm:
             if shard.data_ptr() != output.data_ptr():
                 output.copy_(shard)
             return None
+        if self._on_host(output, shard):
+            host_out = torch.empty(output.shape, dtype=output.dtype, device="cpu")
+            host_shard = _host_copy(shard)  # before anything writes `output`: `shard` may alias it
+            return self._run("all-gather", unit,
+                             lambda: self._issue_all_gather(host_out, host_shard, unit), async_op,
+                             then=lambda: output.copy_(host_out))
         return self._run("all-gather", unit,
                          lambda: self._issue_all_gather(output, shard, unit), async_op)
 
@@ -482,6 +381,10 @@ class Comm:
             self._started(works, ticket)
             # The last step of a native reduce-scatter: copy the received slice into place.
             handle = _Watched(self, works, ticket, then=lambda: own.copy_(out))
+        elif self._on_host(rows):
+            host = _host_copy(rows)
+            handle = _ExchangeReduceScatter(self, host, ticket, unit,
+                                            then=lambda: own.copy_(host[:, self.rank]))
         else:
             handle = _ExchangeReduceScatter(self, rows, ticket, unit)
         return handle if async_op else handle.wait()
@@ -491,9 +394,13 @@ class Comm:
         if self.strict:
             self._refuse_host("broadcast", tensor)
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
-        if self.world_size > 1:
-            self._run("broadcast", unit, lambda: [
-                dist.broadcast(tensor, src=self._ranks[src], group=self.group, async_op=True)])
+        if self.world_size == 1:
+            return
+        target = _host_copy(tensor) if self._on_host(tensor) else tensor
+        self._run("broadcast", unit, lambda: [
+            dist.broadcast(target, src=self._ranks[src], group=self.group, async_op=True)])
+        if target is not tensor:
+            tensor.copy_(target)
 
     def all_to_all(self, received: torch.Tensor, send: torch.Tensor, received_splits: list[int],
                    send_splits: list[int]) -> None:
@@ -511,8 +418,14 @@ class Comm:
         if self.world_size == 1:
             received.copy_(send)
             return
+        staged = self._on_host(received, send)
+        into = torch.empty(received.shape, dtype=received.dtype, device="cpu") if staged \
+            else received
+        source = _host_copy(send) if staged else send
         self._run("all-to-all", None, lambda: [dist.all_to_all_single(
-            received, send, received_splits, send_splits, group=self.group, async_op=True)])
+            into, source, received_splits, send_splits, group=self.group, async_op=True)])
+        if staged:
+            received.copy_(into)
 
     def barrier(self) -> None:
         """Wait for every rank."""
@@ -582,7 +495,7 @@ def get_world_size() -> int:
 
 def get_local_rank() -> int:
     """Rank within this node, from LOCAL_RANK (0 when unset)."""
-    return _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+    return env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
 
 
 def is_initialized() -> bool:

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
@@ -107,8 +107,10 @@ def _sharded(unit, slot, world: int, rank: int, shard: torch.Tensor,
         if owner == rank:
             begin = slot.offset + start - lo
             local.append(Shard(shard[begin:begin + end - start], meta))
+    # ShardedTensor checks that the local pieces match these properties, pinning included
+    # (pinned CPU offload: the masters and optimizer state are page-locked).
     spec = ShardedTensorMetadata(metas, torch.Size([slot.numel]),
-                                 TensorProperties(dtype=shard.dtype))
+                                 TensorProperties(dtype=shard.dtype, pin_memory=shard.is_pinned()))
     with quiet_dcp():
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, spec)
 
@@ -228,8 +230,11 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
         saved = dcp.save(state, storage_writer=FileSystemWriter(partial))
     rng_name = f"rng-rank{rank}.pt"
     torch.save(_rng_state(), os.path.join(partial, rng_name))
+    storage = getattr(saved, "storage_data", None)
+    if storage is None:  # torch 2.11 returns the metadata without it: read what rank 0 wrote
+        storage = FileSystemReader(partial).read_metadata().storage_data
     written: dict[str, list] = {}
-    for info in saved.storage_data.values():
+    for info in storage.values():
         written.setdefault(str(info.relative_path), []).append((info.offset, info.length))
     data = {name: ranges for i, (name, ranges) in enumerate(sorted(written.items()))
             if owner(name, i, world) == rank}

@@ -1,0 +1,147 @@
+"""Starting and ending the default process group: torchrun's or Slurm's environment (or a world of
+one) in, groups destroyed cleanly at interpreter exit.
+
+`zeroshard.comm` re-exports `init_distributed` and `leave_cleanly_at_exit`, the names users and
+`deepspeed.comm` scripts call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def env_int(*names: str) -> int | None:
+    """The first of these environment variables that is set and not empty, as an int."""
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return None
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
+                     dist_backend: str | None = None, distributed_port: int | None = None,
+                     verbose: bool = True, **_ignored) -> None:
+    """Start the default process group from torchrun's (or Slurm's) environment; no-op if started.
+
+    DeepSpeed's spellings are accepted: `dist_backend` for `backend`, `distributed_port` for the
+    rendezvous port when the environment gives none; `verbose` and other keywords are ignored.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    backend = backend or dist_backend
+    if distributed_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    rank = env_int("RANK", "SLURM_PROCID")
+    world = env_int("WORLD_SIZE", "SLURM_NTASKS")
+    local_rank = env_int("LOCAL_RANK", "SLURM_LOCALID")
+    if rank is None or world is None:
+        # A plain `python train.py` is a world of one: give it a private rendezvous.
+        rank, world, local_rank = 0, 1, 0
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    else:
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _slurm_master() or "127.0.0.1"
+        os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank or 0))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank or 0)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if (restart is not None and "MASTER_PORT" in os.environ
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("GROUP_WORLD_SIZE", "1") == "1"):
+        # Under torchrun's elastic agent the agent's store outlives a restart, and measured
+        # restarts intermittently read the previous attempt's gloo addresses from it
+        # ("connectFullMesh failed ... Connection refused"): key this attempt's rendezvous by the
+        # restart count. Only with one agent: each agent counts its own restarts, so across nodes
+        # the counts differ (a replaced node's agent starts at 0) and would split the ranks.
+        # There `zeroshard run` turns the shared store off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+        # and each attempt's rank 0 holds a fresh store: nothing stale to read.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
+        kwargs["store"] = dist.PrefixStore(f"zeroshard/attempt_{restart}", store)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+    leave_cleanly_at_exit()
+
+
+def leave_cleanly_at_exit() -> None:
+    """Have the process groups destroyed at interpreter exit, before Python finalizes (idempotent).
+
+    A gloo worker thread that finishes a collective after the interpreter began finalizing drops
+    the last reference to the collective's tensors, needs the GIL to free them, and aborts the
+    whole process ("terminate called without an active exception"; seen once in about 35 two-rank
+    launches): a completed run then reports failure. Destroying the groups at exit joins those
+    threads while Python is still whole. After an uncaught exception nothing is done, so a
+    failing rank still leaves at once instead of waiting on its peers.
+    """
+    atexit.unregister(_destroy_at_exit)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None:  # set by an uncaught exception
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        _await_store_thread()
+
+
+#: Name of the thread that serves torch's TCPStore (rank 0's rendezvous store).
+_STORE_THREAD = "pt_tcpstore_uv"
+
+
+def _await_store_thread(timeout_s: float = 2.0) -> None:
+    """Wait (at most `timeout_s`) for the TCPStore server's thread to end: freeing the store
+    stops its event loop, but the thread exits a moment later, and in about one exit in four it
+    was still running when the interpreter began finalizing. Linux only (/proc); elsewhere a
+    no-op."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+
+    def alive() -> bool:
+        for task in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{task}/comm") as fh:
+                    if fh.read().strip() == _STORE_THREAD:
+                        return True
+            except OSError:  # the thread ended while we looked
+                continue
+        return False
+
+    deadline = time.monotonic() + timeout_s
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _slurm_master() -> str | None:
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodes:
+        return None
+    # "node[01-04],other" -> "node01"; good enough for the common contiguous case.
+    first = nodes.split(",")[0]
+    if "[" in first:
+        prefix, rest = first.split("[", 1)
+        first = prefix + rest.split("-")[0].split("]")[0]
+    return first
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -38,7 +38,9 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTIONS = ("matrix", "gloo2", "streams", "largest")
 # Seconds per section (together under 8 minutes); tripled under --cpu, where the CPU does it all.
-LIMITS = {"matrix": 220, "gloo2": 60, "streams": 40, "largest": 160}
+# Measured on an H200 (2026-11-30): matrix 38 s, gloo2 13 s, streams 8 s; one `largest` try
+# 50-100 s (pinning and freeing tens of GB of host memory).
+LIMITS = {"matrix": 120, "gloo2": 60, "streams": 40, "largest": 240}
 PRECISIONS = ("fp32", "bf16", "fp16")
 PLACEMENTS = ("device", "cpu", "cpu_pinned", "nvme")
 # `rel_mean` a configuration may reach: the mean distance of its fp32 master weights from the fp32
@@ -416,16 +418,26 @@ def _gpt_params(layers: int) -> int:
     return vocab * d + seq * d + layers * (12 * d * d + 13 * d) + 2 * d + d * vocab
 
 
+def _partial(body: dict) -> None:
+    """Write a section's results so far where its final result goes (read if it is cut off)."""
+    path = os.environ.get("GPU_CHECK_RESULT")
+    if path:
+        with open(path, "w") as fh:
+            json.dump(body, fh)
+
+
 def section_largest(quick: bool) -> dict:
     """Largest GPT that trains one step: stage 3 + pinned CPU offload vs plain torch on the GPU.
 
     Each side searches in its own share of the time (doubling from a start, then bisecting); a
     try that outlasts what is left ends that side's search. On the first H200 run plain torch
-    trained 64 layers (3.4 B parameters), so the GPU searches start near there."""
+    trained 128 layers (6.5 B parameters) and stage 3 + offload 64, so the GPU searches start
+    there. What is found so far is written to the result file after every try: a section cut
+    off at its limit still reports it."""
     out = {}
     total = limit("largest") - 10
-    starts = {"plain": 64, "zeroshard": 32} if device().type == "cuda" else {"plain": 4,
-                                                                              "zeroshard": 4}
+    starts = {"plain": 128, "zeroshard": 64} if device().type == "cuda" else {"plain": 4,
+                                                                               "zeroshard": 4}
     for mode, share in (("plain", 0.4), ("zeroshard", 0.6)):
         deadline = time.monotonic() + share * total
         good, bad, layers, tries = 0, None, starts[mode], []
@@ -434,7 +446,7 @@ def section_largest(quick: bool) -> dict:
             try:
                 proc = subprocess.run([sys.executable, __file__, "--child-largest", mode, str(layers)],
                                       capture_output=True, text=True,
-                                      timeout=max(5, min(100, deadline - time.monotonic())))
+                                      timeout=max(5, min(120, deadline - time.monotonic())))
                 fits = proc.returncode == 0 and '"ok": true' in proc.stdout
                 why = None if fits else (proc.stdout + proc.stderr).strip()[-300:]
             except subprocess.TimeoutExpired:
@@ -447,6 +459,8 @@ def section_largest(quick: bool) -> dict:
                 good = layers
             else:
                 bad = layers
+            out[mode] = {"layers": good, "first_failure_layers": bad, "tries": tries}
+            _partial(out)
             if bad is None:
                 layers *= 2
             elif bad - good <= max(1, good // 8):
@@ -479,14 +493,18 @@ def run_section(name: str, quick: bool) -> dict:
             proc = subprocess.run([sys.executable, __file__, "--child", name, "--result", result.name]
                                   + (["--quick"] if quick else []),
                                   capture_output=True, text=True, timeout=limit(name),
-                                  env=os.environ.copy())
+                                  env={**os.environ, "GPU_CHECK_RESULT": result.name})
             text = open(result.name).read()
             body = json.loads(text) if text else {"error": "no result",
                                                    "tail": (proc.stdout + proc.stderr)[-2000:]}
             if proc.returncode != 0 and "error" not in body:
                 body["exit_code"] = proc.returncode
         except subprocess.TimeoutExpired as err:
-            body = {"error": f"over its {limit(name)} s limit",
+            try:  # what the section wrote before it was cut off, if anything
+                body = json.loads(open(result.name).read() or "{}")
+            except ValueError:
+                body = {}
+            body = {**body, "error": f"over its {limit(name)} s limit",
                     "tail": ((err.stdout or b"").decode(errors="replace"))[-2000:]
                     if isinstance(err.stdout, bytes) else str(err.stdout)[-2000:]}
     body["seconds"] = round(time.perf_counter() - start, 1)

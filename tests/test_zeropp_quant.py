@@ -190,6 +190,46 @@ def _ledger(rank, world, zero):
             "starts": starts}
 
 
+def _overlap(rank, world):
+    """Order of qgZ's steps in one backward of a Linear stack: each unit's launch, the start of
+    its cross-host exchange (`advance`) and the wait for it."""
+    from zeroshard.core import quantized_comm, stage2
+
+    events = []
+    cls, policy_cls = quantized_comm._HierarchicalReduceScatter, stage2.Stage2
+    advance, wait, launch = cls.advance, cls.wait, policy_cls._launch_unit
+
+    def logged_advance(self):
+        if self.full is not None and self.received is None:
+            events.append(("advance", self.unit.index))
+        advance(self)
+
+    def logged_wait(self):  # recorded when done (it advances first if nobody did)
+        pending = self.full is not None
+        wait(self)
+        if pending:
+            events.append(("wait", self.unit.index))
+
+    def logged_launch(self, unit):
+        events.append(("launch", unit.index))
+        launch(self, unit)
+
+    cls.advance, cls.wait, policy_cls._launch_unit = logged_advance, logged_wait, logged_launch
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 200), nn.ReLU(),
+                              nn.Linear(200, 10))
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+            config=_config(VARIANTS["qgZ"]))
+        engine.backward(engine(torch.randn(4, 64)).pow(2).mean())
+        engine.step()
+        engine.destroy()
+    finally:
+        cls.advance, cls.wait, policy_cls._launch_unit = advance, wait, launch
+    return events
+
+
 def _hierarchical(rank, world):
     """qgZ's reduce-scatter of one buffer against the exact sum of every rank's buffer."""
     from zeroshard.comm import Comm
@@ -256,7 +296,7 @@ def _world(rank, world):
     os.environ["GROUP_RANK"] = str(rank // PER_HOST)
     return {"train": {name: _train(rank, world, zero) for name, zero in VARIANTS.items()},
             "ledger": {name: _ledger(rank, world, zero) for name, zero in VARIANTS.items()},
-            "hierarchical": _hierarchical(rank, world),
+            "hierarchical": _hierarchical(rank, world), "overlap": _overlap(rank, world),
             "overflow": _overflow(rank, world, VARIANTS["both"])}
 
 
@@ -360,6 +400,22 @@ def test_hierarchical_reduce_scatter_sums_every_rank(results):
         assert got["hierarchical"]["within"], (rank, got["hierarchical"]["error"])
         assert got["hierarchical"]["native_equal"], rank
         assert got["hierarchical"]["single_host"]  # one host: plain reduce-scatter, no groups
+
+
+def test_qgz_cross_host_step_overlaps_the_next_units_backward(results):
+    """A unit's quantized exchange across hosts starts when the next unit launches and is waited
+    only after the launch after that: the slow link's transfer runs during backward."""
+    for rank, got in enumerate(results):
+        events = got["overlap"]
+        at = {event: i for i, event in enumerate(events)}
+        launched = [index for kind, index in events if kind == "launch"]
+        assert len(launched) >= 3, events
+        for i, index in enumerate(launched):
+            assert at[("launch", index)] < at[("advance", index)] < at[("wait", index)], events
+            if i + 1 < len(launched):
+                assert at[("advance", index)] > at[("launch", launched[i + 1])], (rank, events)
+            if i + 2 < len(launched):
+                assert at[("wait", index)] > at[("launch", launched[i + 2])], (rank, events)
 
 
 def test_fp16_overflow_is_still_detected_under_qgz(results):

@@ -403,10 +403,11 @@ class Comm:
             tensor.copy_(target)
 
     def all_to_all(self, received: torch.Tensor, send: torch.Tensor, received_splits: list[int],
-                   send_splits: list[int]) -> None:
+                   send_splits: list[int], async_op: bool = False, unit=None):
         """Send `send_splits[r]` consecutive elements of `send` to rank r and receive
-        `received_splits[q]` from rank q into `received`, in rank order. Counted as the bytes
-        sent to the other ranks; the inter-host share is exactly what goes to other hosts."""
+        `received_splits[q]` from rank q into `received`, in rank order (`async_op`: return a
+        handle to wait on; `send` must stay untouched until then). Counted as the bytes sent to
+        the other ranks; the inter-host share is exactly what goes to other hosts."""
         if self.strict:
             self._refuse_host("all_to_all", received, send)
         sent = sum(n for r, n in enumerate(send_splits) if r != self.rank)
@@ -417,15 +418,14 @@ class Comm:
         self.inter_host_bytes["all_to_all"] += crossing * send.element_size()
         if self.world_size == 1:
             received.copy_(send)
-            return
+            return None
         staged = self._on_host(received, send)
         into = torch.empty(received.shape, dtype=received.dtype, device="cpu") if staged \
             else received
         source = _host_copy(send) if staged else send
-        self._run("all-to-all", None, lambda: [dist.all_to_all_single(
-            into, source, received_splits, send_splits, group=self.group, async_op=True)])
-        if staged:
-            received.copy_(into)
+        return self._run("all-to-all", unit, lambda: [dist.all_to_all_single(
+            into, source, received_splits, send_splits, group=self.group, async_op=True)],
+            async_op, then=(lambda: received.copy_(into)) if staged else None)
 
     def barrier(self) -> None:
         """Wait for every rank."""

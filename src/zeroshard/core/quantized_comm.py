@@ -21,6 +21,8 @@ r is rank r's after the reduction. Plan:
      quantized in blocks of GRADIENT_BLOCK cut at parameter starts (one all-to-all of packed
      rows), and add the H-1 rows that arrive, decoded in fp32, into this host's own (exact) sum
      of slot (h, l), which is this rank's slot, in place.
+Steps 1-2 start at once; step 3's exchange starts when the next unit launches (`advance`) and
+is waited one launch later (stage 2/3's in-flight queue), so it overlaps backward.
 Only step 3 crosses hosts, with packed_size(S) bytes per peer host instead of P x S x element
 size per host under a flat ring. Quantizing happens on partial sums, so `core/reduction.py`'s
 pre-division and dtype apply unchanged before step 1 and its post-division after step 3.
@@ -162,7 +164,9 @@ class HostGroups:
 
 
 class _HierarchicalReduceScatter:
-    """Steps 1-2 of the module's qgZ plan start at once; `wait()` runs step 3."""
+    """Steps 1-2 of the module's qgZ plan start at once; `advance()` waits for them and starts
+    step 3's exchange (stage 2/3 call it when the next unit launches, so the slow link's transfer
+    overlaps backward); `wait()` finishes step 3 (advancing first if nobody did)."""
 
     def __init__(self, groups: HostGroups, full: torch.Tensor, unit=None,
                  plan: BlockPlan | None = None):
@@ -172,30 +176,41 @@ class _HierarchicalReduceScatter:
         # Local rank l reduces the slots (h, l) of every host h: rows [H, P, S], pieces H apart.
         self.slots = full.view(hosts, per_host, self.numel)
         self.handle = groups.intra.reduce_scatter_rows(self.slots, async_op=True, unit=unit)
+        self.exchange = self.send = self.received = None
 
-    def wait(self) -> None:
-        """Finish the host reduce-scatter, exchange across hosts quantized, sum into the slot."""
-        if self.full is None:
+    def advance(self) -> None:
+        """Finish the host reduce-scatter and start the quantized exchange across hosts."""
+        if self.full is None or self.received is not None:
             return
-        groups, numel = self.groups, self.numel
+        groups = self.groups
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
         rows = self.slots[:, groups.local]  # [H, S]: this host's sums of slots (h, l)
-        own = rows[groups.host]  # slot (host, l): this rank's, in place in `full`
         others = [h for h in range(groups.hosts) if h != groups.host]
         # Row h of `rows` is shard row (h, l) of the unit; every row received is this rank's.
         send = quantize(rows[others], GRADIENT_BLOCK, self.plan,
                         [h * groups.per_host + groups.local for h in others])
-        received = torch.empty_like(send)
+        self.send, self.received = send, torch.empty_like(send)  # both live until wait()
         width = send.shape[1]
         splits = [0 if h == groups.host else width for h in range(groups.hosts)]
-        groups.inter.all_to_all(received.view(-1), send.view(-1), splits, splits)
-        arrived = dequantize(received, numel, torch.float32, GRADIENT_BLOCK, self.plan,
-                             [groups.rank] * len(others)).sum(dim=0)
+        self.exchange = groups.inter.all_to_all(self.received.view(-1), send.view(-1), splits,
+                                                splits, async_op=True, unit=self.unit)
+
+    def wait(self) -> None:
+        """Finish the exchange across hosts and add what arrived into this rank's slot."""
+        if self.full is None:
+            return
+        self.advance()
+        if self.exchange is not None:
+            self.exchange.wait()
+            self.exchange = None
+        groups = self.groups
+        own = self.slots[groups.host, groups.local]  # slot (host, l): this rank's, in `full`
+        arrived = dequantize(self.received, self.numel, torch.float32, GRADIENT_BLOCK, self.plan,
+                             [groups.rank] * (groups.hosts - 1)).sum(dim=0)
         if own.dtype == torch.float32:
             own.add_(arrived)
         else:  # summed in fp32, stored in the reduction dtype
             own.copy_(arrived.add_(own))
-        self.slots = None
-        self.full = None
+        self.slots = self.full = self.send = self.received = None

@@ -202,7 +202,14 @@ class Stage2(StagePolicy):
         self.launched.add(unit.index)
         handle = self._reduce_scatter(buffer, unit)
         self.in_flight.append((unit, buffer, handle))
-        while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
+        limit = MAX_IN_FLIGHT if self.overlap else 0
+        if self.overlap and hasattr(handle, "advance"):
+            # A two-step reduction (qgZ: host, then across hosts): the older units' second step
+            # starts now and is waited one launch later, so it overlaps one more unit's backward.
+            limit += 1
+            for _, _, older in list(self.in_flight)[:-1]:
+                older.advance()
+        while len(self.in_flight) > limit:
             self._land()
 
     def _reduce_scatter(self, buffer: torch.Tensor, unit: Unit):

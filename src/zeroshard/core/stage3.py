@@ -30,7 +30,9 @@ ZeRO++ (`quantized_comm.py`): under `zero_quantized_weights` (qwZ) the gathers o
 int8 blocks with fp32 scales (about Psi x (1 + 4/256) bytes instead of Psi x element size per
 gather); gathers whose weights a user reads (GatheredParameters, `close`) and the persistent
 units stay exact. Under `zero_quantized_gradients` (qgZ) with more than one host, step 3 reduces
-inside the host in full precision, then across hosts int8-quantized.
+inside the host in full precision, then across hosts int8-quantized; a unit's cross-host
+exchange starts when the next unit's reduction launches and is waited one launch later, so it
+runs during the backward of the units after it.
 """
 
 from __future__ import annotations

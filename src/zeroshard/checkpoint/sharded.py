@@ -28,7 +28,6 @@ digests were recorded load with the size checks alone.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import random
@@ -45,6 +44,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
 from ..core.mics import replica_targets
+from .run_state import as_tuple, check_client_state, jsonable, read_rng, rng_state, \
+    scheduler_state
 from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
                                 read_meta, seal, torch_load_verified)
 
@@ -125,29 +126,8 @@ def _rank_shard(opt, unit, tensor: torch.Tensor) -> torch.Tensor:
 
 # -- save --------------------------------------------------------------------------------------
 
-def _check_client_state(client_state) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(client_state, buffer)
-    try:
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except Exception as err:
-        raise ValueError(
-            "client_state can only hold tensors, numbers, strings, lists, tuples and dicts "
-            "(it is read back with torch.load(weights_only=True), so a checkpoint cannot run "
-            f"code); this one cannot be stored: {str(err).splitlines()[0]}") from None
-    return buffer.getvalue()
 
 
-def _jsonable(value):
-    if torch.is_tensor(value):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    raise TypeError(type(value).__name__)
 
 
 def _optimizer_meta(opt) -> list[dict]:
@@ -159,7 +139,7 @@ def _optimizer_meta(opt) -> list[dict]:
             if key == "params":
                 continue
             try:
-                hyper[key] = _jsonable(value)
+                hyper[key] = jsonable(value)
             except TypeError:
                 pass  # e.g. a callable: kept from the live optimizer
         scalars, tensor_keys, order = {}, [], []
@@ -174,7 +154,7 @@ def _optimizer_meta(opt) -> list[dict]:
                     if key not in tensor_keys:
                         tensor_keys.append(key)
                 else:
-                    scalars[key] = {"value": _jsonable(value),
+                    scalars[key] = {"value": jsonable(value),
                                     "dtype": str(value.dtype) if torch.is_tensor(value) else None}
         groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
                        "order": order})
@@ -192,7 +172,7 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
     opt, comm = engine.optimizer, engine.comm
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     try:
-        client_bytes, client_error = _check_client_state(client_state if client_state is not None
+        client_bytes, client_error = check_client_state(client_state if client_state is not None
                                                          else {}), None
     except ValueError as err:
         client_bytes, client_error = b"", str(err)
@@ -229,7 +209,7 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
     with quiet_dcp():
         saved = dcp.save(state, storage_writer=FileSystemWriter(partial))
     rng_name = f"rng-rank{rank}.pt"
-    torch.save(_rng_state(), os.path.join(partial, rng_name))
+    torch.save(rng_state(), os.path.join(partial, rng_name))
     storage = getattr(saved, "storage_data", None)
     if storage is None:  # torch 2.11 returns the metadata without it: read what rank 0 wrote
         storage = FileSystemReader(partial).read_metadata().storage_data
@@ -258,7 +238,7 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
                          "optimizer_steps": opt.steps},
             "optimizer": {"type": type(opt.optimizer).__name__, "groups": groups},
             "scaler": engine.scaler.state_dict(),
-            "lr_scheduler": _scheduler_state(engine.lr_scheduler),
+            "lr_scheduler": scheduler_state(engine.lr_scheduler),
             "params": params,
             "state_dict": _state_dict_map(engine, exclude_frozen),
             "sampler_epoch": getattr(_sampler(engine), "epoch", None),
@@ -344,22 +324,8 @@ def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
             if id(t) in saved_name}
 
 
-def _scheduler_state(scheduler):
-    if scheduler is None or not hasattr(scheduler, "state_dict"):
-        return None
-    try:
-        return _jsonable(scheduler.state_dict())
-    except TypeError as err:
-        warnings.warn(f"zeroshard: LR scheduler state holds a {err} and is not saved; the "
-                      "scheduler restarts from its initial state on load", stacklevel=5)
-        return None
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": _jsonable(random.getstate())}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -481,7 +447,7 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool)
         planner.set_up_planner(state, metadata, is_coordinator=False)
         items = planner.create_local_plan().items
     reader.verify_ranges(metadata.storage_data[item.storage_index] for item in items)
-    rng = _read_rng(path, comm.rank, files) if with_engine else None
+    rng = read_rng(path, comm.rank, files) if with_engine else None
     client_state = torch_load_verified(path, CLIENT, files)
     return meta, reader, state, loaded, rng, client_state
 
@@ -517,21 +483,6 @@ def _targets(engine, groups, with_optim: bool):
     return state, loaded
 
 
-def _read_rng(path: str, rank: int, files: dict | None) -> dict | None:
-    """This rank's saved RNG state, tried on scratch generators; None if it saved none (the
-    checkpoint came from fewer ranks: this rank keeps its own)."""
-    name = f"rng-rank{rank}.pt"
-    saved = name in files if files is not None else os.path.isfile(os.path.join(path, name))
-    if not saved:
-        return None
-    rng = torch_load_verified(path, name, files)
-    try:
-        torch.Generator().set_state(rng["torch"])
-        random.Random().setstate(_as_tuple(rng["python"]))
-    except Exception as err:  # noqa: BLE001 - any malformed content
-        raise CheckpointError(f"checkpoint file {os.path.join(path, name)} holds no usable RNG "
-                              f"state ({type(err).__name__}: {err})") from None
-    return rng
 
 
 def _check_params(engine, meta, meta_path) -> None:
@@ -599,12 +550,7 @@ def _restore_engine(engine, meta, rng, load_lr_scheduler_states, with_optim) -> 
         sampler.set_epoch(meta["sampler_epoch"])  # the epoch's shuffle order, as when saved
     if rng is not None:
         torch.set_rng_state(rng["torch"])
-        random.setstate(_as_tuple(rng["python"]))
+        random.setstate(as_tuple(rng["python"]))
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
 
-
-def _as_tuple(value):
-    if isinstance(value, list):
-        return tuple(_as_tuple(v) for v in value)
-    return value

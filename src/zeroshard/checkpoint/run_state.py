@@ -1,0 +1,84 @@
+"""The run's own state saved beside the model in a checkpoint: RNG states, the LR scheduler, the
+user's `client_state`, and the JSON conversions they need."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import warnings
+
+import torch
+
+from .verify import CheckpointError, torch_load_verified
+
+
+def check_client_state(client_state) -> bytes:
+    """`client_state` serialized; ValueError unless torch.load(weights_only=True) reads it back."""
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            "client_state can only hold tensors, numbers, strings, lists, tuples and dicts "
+            "(it is read back with torch.load(weights_only=True), so a checkpoint cannot run "
+            f"code); this one cannot be stored: {str(err).splitlines()[0]}") from None
+    return buffer.getvalue()
+
+
+def jsonable(value):
+    """`value` as JSON types (tensors as numbers or lists); TypeError for anything else."""
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def scheduler_state(scheduler):
+    """The LR scheduler's state as JSON, or None (none, or not serializable: warned)."""
+    if scheduler is None or not hasattr(scheduler, "state_dict"):
+        return None
+    try:
+        return jsonable(scheduler.state_dict())
+    except TypeError as err:
+        warnings.warn(f"zeroshard: LR scheduler state holds a {err} and is not saved; the "
+                      "scheduler restarts from its initial state on load", stacklevel=5)
+        return None
+
+
+def rng_state() -> dict:
+    """This process's torch, Python and CUDA RNG states."""
+    state = {"torch": torch.get_rng_state(), "python": jsonable(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def read_rng(path: str, rank: int, files: dict | None) -> dict | None:
+    """This rank's saved RNG state, tried on scratch generators; None if it saved none (the
+    checkpoint came from fewer ranks: this rank keeps its own)."""
+    name = f"rng-rank{rank}.pt"
+    saved = name in files if files is not None else os.path.isfile(os.path.join(path, name))
+    if not saved:
+        return None
+    rng = torch_load_verified(path, name, files)
+    try:
+        torch.Generator().set_state(rng["torch"])
+        random.Random().setstate(as_tuple(rng["python"]))
+    except Exception as err:  # noqa: BLE001 - any malformed content
+        raise CheckpointError(f"checkpoint file {os.path.join(path, name)} holds no usable RNG "
+                              f"state ({type(err).__name__}: {err})") from None
+    return rng
+
+
+def as_tuple(value):
+    """`value` with every list turned into a tuple, recursively (JSON gives back lists)."""
+    if isinstance(value, list):
+        return tuple(as_tuple(v) for v in value)
+    return value

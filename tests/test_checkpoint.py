@@ -198,6 +198,21 @@ def _sampler_epoch(rank, world, root):
     return epochs
 
 
+def _resume_without_storage_data(rank, world, root):
+    """`_resume` at stage 3 as under torch 2.11, whose `dcp.save` returned its metadata without
+    `storage_data` (seen on the first GPU run): the save reads it back from `.metadata`."""
+    import dataclasses
+
+    from zeroshard.checkpoint import sharded
+
+    real = sharded.dcp.save
+    sharded.dcp.save = lambda *a, **k: dataclasses.replace(real(*a, **k), storage_data=None)
+    try:
+        return _resume(rank, world, 3, root)
+    finally:
+        sharded.dcp.save = real
+
+
 def _world2(rank, world, root):
     out = {stage: _resume(rank, world, stage, os.path.join(root, f"s{stage}")) for stage in range(4)}
     out["refusals"] = _refusals(rank, world, os.path.join(root, "refusals"))
@@ -206,6 +221,7 @@ def _world2(rank, world, root):
     for stage in (2, 3):
         out[f"bf16-{stage}"] = _resume(rank, world, stage, os.path.join(root, f"b{stage}"), True)
     out["module_only"] = _module_only(rank, world, os.path.join(root, "s3"))
+    out["no-storage-data"] = _resume_without_storage_data(rank, world, os.path.join(root, "nsd"))
     return out
 
 
@@ -229,7 +245,7 @@ def world2(tmp_path_factory):
     return run_world(2, _world2, str(tmp_path_factory.mktemp("ckpt")))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3, "bf16-2", "bf16-3"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "bf16-2", "bf16-3", "no-storage-data"])
 def test_resume_is_bitwise_exact(world2, stage):
     for rank, got in enumerate(world2):
         got = got[stage]

@@ -396,11 +396,11 @@ class Comm:
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
         if self.world_size == 1:
             return
-        target = _host_copy(tensor) if self._on_host(tensor) else tensor
+        staged = self._on_host(tensor)
+        target = _host_copy(tensor) if staged else tensor
         self._run("broadcast", unit, lambda: [
-            dist.broadcast(target, src=self._ranks[src], group=self.group, async_op=True)])
-        if target is not tensor:
-            tensor.copy_(target)
+            dist.broadcast(target, src=self._ranks[src], group=self.group, async_op=True)],
+            then=(lambda: tensor.copy_(target)) if staged else None)
 
     def all_to_all(self, received: torch.Tensor, send: torch.Tensor, received_splits: list[int],
                    send_splits: list[int], async_op: bool = False, unit=None):

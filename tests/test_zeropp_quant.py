@@ -83,20 +83,23 @@ def test_zeros_and_non_finite_blocks():
 
 
 @pytest.mark.parametrize("block", [WEIGHT_BLOCK, GRADIENT_BLOCK])
-def test_blocks_never_mix_parameters(block):
+@pytest.mark.parametrize("exact_params", [(), (1, 5, 8)])
+def test_blocks_never_mix_parameters(block, exact_params):
     """Parameters of very different sizes end to end: every value is within half of its own
     parameter's block scale, however the parameter starts fall (inside a block, two in one
-    block, on a block edge, on a shard edge)."""
+    block, on a block edge, on a shard edge); the parameters listed exact come back bitwise
+    (one inside a block, one across a shard edge, one to the end of the buffer)."""
     shard, rows = 3 * block + 40, 4
     total = shard * rows
     starts = [0, 5, block // 2, block // 2 + 3, block, shard - 1, shard + 7, 2 * shard,
               3 * shard + block + 1]
     bounds = starts + [total]
+    exact = [(bounds[i], bounds[i + 1] - bounds[i]) for i in exact_params]
     gen = torch.Generator().manual_seed(block)
     flat = torch.empty(total)
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):  # magnitudes 1e-4 .. 1e2 in turn
         flat[lo:hi] = torch.randn(hi - lo, generator=gen) * 10.0 ** (i % 7 - 4)
-    plan = BlockPlan(starts, shard, block, rows)
+    plan = BlockPlan(starts, shard, block, rows, exact)
     for row_ids in ([0, 1, 2, 3], [2, 0], [3]):
         original = flat.view(rows, shard)[row_ids]
         packed = quantize(original, block, plan, row_ids)
@@ -109,11 +112,21 @@ def test_blocks_never_mix_parameters(block):
                 for a, b in zip(edges, edges[1:]):
                     part = flat[a:b]
                     got = back[i, a - row * shard:b - row * shard]
+                    if any(x <= a and b <= x + n for x, n in exact):
+                        assert torch.equal(got, part), (row, a, b)
+                        continue
                     bound = part.abs().max() / 127 / 2 + part.abs() * 2.0 ** -22
                     assert ((got - part).abs() <= bound).all(), (row, a, b)
-    # Row 0 has the most starts inside blocks: 5, block/2 and block/2 + 3 in block 0, shard - 1
-    # in the last one; one extra scale each.
-    assert plan.extra == 4
+    if not exact:
+        # Row 0 has the most starts inside blocks: 5, block/2 and block/2 + 3 in block 0,
+        # shard - 1 in the last one; one extra scale each.
+        assert plan.extra == 4
+    else:
+        # Row 0: block 0 is cut into [0, 5) [5, block/2) [block/2, +3) [+3, block); the exact
+        # second part needs no scale, so two extra; the part at shard - 1 is exact: none. Exact
+        # words: row 3 holds the most, the whole last parameter (shard - block - 1 values).
+        assert plan.scales == 2 and plan.exact == shard - block - 1
+        assert plan.extra == plan.scales + plan.exact
     assert BlockPlan([0, block, 2 * block], shard, block, rows).extra == 0  # nothing split
 
 
@@ -157,6 +170,12 @@ def _train(rank, world, zero):
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
     hook.remove()
+    after = {}  # the weights one more forward computes with, no step since
+    hook = model.block1.register_forward_pre_hook(lambda mod, args: after.update(
+        {n: p.detach().clone() for n, p in mod.named_parameters()}))
+    with torch.no_grad():
+        engine(micro_slice(batches[0], 0, rank, world, MICRO)[0])
+    hook.remove()
     policy = engine.optimizer.policy
     with zeroshard.GatheredParameters(list(model.block1.parameters())):  # exact, even under qwZ
         exact = {n: p.detach().clone() for n, p in model.block1.named_parameters()}
@@ -168,7 +187,7 @@ def _train(rank, world, zero):
     engine.destroy()
     finite = all(p.isfinite().all().item() for p in model.parameters())
     return {"losses": losses, "seen": seen, "exact": exact, "finite": finite,
-            "own_exact": own_exact}
+            "own_exact": own_exact, "after": after}
 
 
 def _ledger(rank, world, zero):
@@ -184,10 +203,13 @@ def _ledger(rank, world, zero):
     after = engine.comm_report()
     sizes = [u.padded_numel for u in engine.optimizer.units]
     starts = [[slot.offset for slot in u.slots] for u in engine.optimizer.units]
+    # Biases: 1-D, sent exact (the test recomputes the row widths from these ranges).
+    exact = [[(slot.offset, slot.numel) for slot in u.slots if len(slot.shape) == 1]
+             for u in engine.optimizer.units]
     sharded = len(engine.optimizer.policy.sharded)
     engine.destroy()
     return {"bytes": {k: after[k] - before[k] for k in after}, "sizes": sizes, "sharded": sharded,
-            "starts": starts}
+            "starts": starts, "exact": exact}
 
 
 def _overlap(rank, world):
@@ -340,6 +362,17 @@ def test_every_rank_computes_with_the_same_weights(results, name):
 
 
 @pytest.mark.parametrize("name", ["qwZ", "both", "all3"])
+def test_one_dimensional_parameters_are_gathered_exact(results, name):
+    """Biases and norm weights travel unquantized: a forward after the last step computes with
+    them bit for bit; the matrices differ (they are quantized)."""
+    got = results[0]["train"][name]
+    kinds = {key: tensor.dim() for key, tensor in got["exact"].items()}
+    assert 1 in kinds.values() and 2 in kinds.values(), kinds
+    for key, exact in got["exact"].items():
+        assert torch.equal(got["after"][key], exact) == (exact.dim() == 1), key
+
+
+@pytest.mark.parametrize("name", ["qwZ", "both", "all3"])
 def test_quantized_weights_stay_near_the_exact_ones(results, name):
     """Forward saw decoded weights near the exact ones; GatheredParameters gathers exact ones."""
     assert all(r["train"][name]["own_exact"] for r in results)
@@ -351,28 +384,45 @@ def test_quantized_weights_stay_near_the_exact_ones(results, name):
         assert diff <= exact.abs().max().item() / 254 * 8 + 2e-2, (key, diff)
 
 
-def _packed(numel: int, block: int, starts=(), rows: int = 1) -> int:
+def _packed(numel: int, block: int, starts=(), rows: int = 1, exact=()) -> int:
     """Bytes of one packed row of `numel` values: int8 padded to 4 bytes + fp32 scale per block,
-    plus one more for each parameter start inside a block (the most any of `rows` rows has)."""
-    cuts = max(sum(1 for s in starts if r * numel < s < (r + 1) * numel and (s - r * numel) % block)
-               for r in range(rows))
-    return math.ceil(numel / 4) * 4 + 4 * (math.ceil(numel / block) + cuts)
+    one more scale for each quantized part of a block after its first (parts: cut at parameter
+    starts; a part inside an exact parameter is not quantized), and one fp32 word per value of an
+    exact parameter (each the most any of `rows` rows has)."""
+
+    def scales(r):
+        lo, count = r * numel, 0
+        for first in range(lo, lo + numel, block):
+            end = min(first + block, lo + numel)
+            edges = sorted({first, end, *(s for s in starts if first < s < end)})
+            quantized = sum(1 for a, b in zip(edges, edges[1:])
+                            if not any(x <= a and b <= x + n for x, n in exact))
+            count += max(quantized - 1, 0)
+        return count
+
+    def kept(r):
+        lo, hi = r * numel, (r + 1) * numel
+        return sum(max(0, min(a + n, hi) - max(a, lo)) for a, n in exact)
+
+    words = max(scales(r) for r in range(rows)) + max(kept(r) for r in range(rows))
+    return math.ceil(numel / 4) * 4 + 4 * (math.ceil(numel / block) + words)
 
 
 def test_ledger_counts_quantized_bytes(results):
     """Inter-host bytes per step, expected from the unit sizes (ring model: a collective over the
     world sends (N-1)/N of its payload per rank, H/N of it across hosts)."""
     got = results[0]["ledger"]
-    sizes, starts = got["plain"]["sizes"], got["plain"]["starts"]
+    sizes, starts, exact = got["plain"]["sizes"], got["plain"]["starts"], got["plain"]["exact"]
     assert got["plain"]["sharded"] == len(sizes)
     n, ring, cross = WORLD, (WORLD - 1) / WORLD, HOSTS / WORLD
     gather = sum(4 * s for s in sizes) * ring  # one fp32 gather of every unit
-    gather_q = sum(n * _packed(s // n, WEIGHT_BLOCK, st, n) for s, st in zip(sizes, starts)) * ring
+    gather_q = sum(n * _packed(s // n, WEIGHT_BLOCK, st, n, ex)
+                   for s, st, ex in zip(sizes, starts, exact)) * ring
     reduce_intra = sum(4 * s for s in sizes) * (PER_HOST - 1) / PER_HOST  # inside the host
     gather_q_intra = gather_q / ring * (PER_HOST - 1) / PER_HOST
     # One packed slot per other host.
-    reduce_cross = sum((HOSTS - 1) * _packed(s // n, GRADIENT_BLOCK, st, n)
-                       for s, st in zip(sizes, starts))
+    reduce_cross = sum((HOSTS - 1) * _packed(s // n, GRADIENT_BLOCK, st, n, ex)
+                       for s, st, ex in zip(sizes, starts, exact))
     expect = {  # (total, inter-host)
         "plain": (3 * gather, 3 * gather * cross),
         "qwZ": (2 * gather_q + gather, (2 * gather_q + gather) * cross),
@@ -389,10 +439,13 @@ def test_ledger_counts_quantized_bytes(results):
         assert abs(measured["inter_host"] - inter) <= slack, (name, measured, inter)
     plain = got["plain"]["bytes"]["inter_host"]
     # The headline factors (fp32): qwZ's gathers ~1/4, qgZ's cross-host gradient bytes ~1/6.
+    # Here each Linear's bias (exact fp32 words) lies in its unit's last shard, so every row of
+    # the unit carries that many words: ~+20% on the quantized bytes, the layout's worst case
+    # (the bench GPT: +2%, bench/README).
     assert got["qwZ"]["bytes"]["inter_host"] < 0.55 * plain
     assert got["qgZ"]["bytes"]["inter_host"] < 0.75 * plain
-    assert got["both"]["bytes"]["inter_host"] < 0.25 * plain
-    assert got["all3"]["bytes"]["inter_host"] < 0.15 * plain
+    assert got["both"]["bytes"]["inter_host"] < 0.27 * plain
+    assert got["all3"]["bytes"]["inter_host"] < 0.17 * plain
 
 
 def test_hierarchical_reduce_scatter_sums_every_rank(results):

@@ -17,6 +17,17 @@ of the K extra slots after the regular ones (K: the most any row of the unit nee
 has the same width). Decoding applies the regular scales block by block, then rewrites the few
 elements of split blocks with their parts' scales.
 
+Parameters of fewer than two dimensions (biases, LayerNorm gains and shifts: about 1% of a
+transformer's values) are not quantized at all: their values travel as fp32 words after the
+scales, E of them (the most any row of the unit holds), and decoding writes them back exactly.
+A gain near 1.0 rounded to 1/127 of its block's maximum moves by up to 0.004 per gather, more
+than Adam's early steps move it; with them exact the demo GPT no longer stalls (README). A row
+is then
+
+    [ S int8 values | padding | ceil(S / B) scales | K split-part scales | E exact values ]
+
+and `packed_size(S, B, K + E)` bytes long: K and E are both fp32 words, the plan's `extra`.
+
 Rows are multiples of 4 bytes long, so a buffer of R rows laid end to end (one row per rank in an
 all-gather) keeps every scale section 4-byte aligned and viewable as fp32 in place.
 
@@ -56,62 +67,88 @@ def num_blocks(numel: int, block: int = BLOCK) -> int:
 
 def packed_size(numel: int, block: int = BLOCK, extra: int = 0) -> int:
     """Bytes one packed row of `numel` values takes on the wire (int8 values + fp32 scales,
-    `extra` of them for the parts of split blocks)."""
+    then `extra` more fp32 words: split-block scales and exact values)."""
     return _data_bytes(numel) + 4 * (num_blocks(numel, block) + extra)
 
 
 @dataclass(frozen=True)
 class Fixups:
-    """The elements of split blocks in a [R, S] tensor of rows, and the scale slot of each."""
+    """The elements of a [R, S] tensor of rows that the regular blocks do not cover: those of
+    split blocks with their part's scale slot, and the exact ones with their word's slot."""
 
-    rows: torch.Tensor  # int64 [E]: row of each element
+    rows: torch.Tensor  # int64 [E]: row of each split-block element
     cols: torch.Tensor  # int64 [E]: its position in the row
     slots: torch.Tensor  # int64 [E]: its part's slot in the row's scale section
+    exact_rows: torch.Tensor  # int64 [X]: row of each element sent exactly
+    exact_cols: torch.Tensor  # int64 [X]: its position in the row
+    exact_slots: torch.Tensor  # int64 [X]: its fp32 word after the scales
 
 
 class BlockPlan:
     """Where the blocks of one unit's shard rows are cut: every `block` elements of a row and at
-    every parameter start inside it. `starts` are the flat-buffer offsets where parameters begin;
-    row r is the shard [r*S, (r+1)*S)."""
+    every parameter start inside it; `exact` lists the (offset, numel) flat ranges sent
+    unquantized. `starts` are the flat-buffer offsets where parameters begin; row r is the shard
+    [r*S, (r+1)*S)."""
 
-    def __init__(self, starts: Sequence[int], shard_numel: int, block: int, rows: int):
+    def __init__(self, starts: Sequence[int], shard_numel: int, block: int, rows: int,
+                 exact: Sequence[tuple[int, int]] = ()):
         regular = num_blocks(shard_numel, block)
-        # Per row: (position, slot) of every element of a split block.
-        self._per_row: list[tuple[list[int], list[int]]] = []
-        extra = 0
+        split: list[tuple[list[int], list[int], int]] = []
+        kept: list[list[int]] = []
         for row in range(rows):
-            lo = row * shard_numel
-            cuts = sorted({s - lo for s in starts
-                           if lo < s < lo + shard_numel and (s - lo) % block})
-            cols, slots, used = [], [], 0
-            by_block: dict[int, list[int]] = {}
-            for cut in cuts:
-                by_block.setdefault(cut // block, []).append(cut)
-            for index, inner in by_block.items():
-                edges = [index * block, *inner, min((index + 1) * block, shard_numel)]
-                for part, (a, b) in enumerate(zip(edges, edges[1:])):
-                    slot = index if part == 0 else regular + used + part - 1
-                    cols.extend(range(a, b))
-                    slots.extend([slot] * (b - a))
-                used += len(inner)
-            self._per_row.append((cols, slots))
-            extra = max(extra, used)
-        self.extra = extra  # scales per row beyond the regular ones: packed_size(S, block, extra)
+            lo, hi = row * shard_numel, (row + 1) * shard_numel
+            spans = [(max(a, lo) - lo, min(a + n, hi) - lo) for a, n in exact
+                     if a < hi and a + n > lo]
+            kept.append([c for a, b in sorted(spans) for c in range(a, b)])
+            split.append(self._split_parts(starts, lo, shard_numel, block, regular, spans))
+        scales = max((used for _, _, used in split), default=0)
+        # Per row: (position, slot) of every element of a split block, and of every exact one.
+        self._per_row = [(cols, slots, cols_kept,
+                          list(range(regular + scales, regular + scales + len(cols_kept))))
+                         for (cols, slots, _), cols_kept in zip(split, kept)]
+        self.scales = scales  # split-part scales per row beyond the regular ones
+        self.exact = max((len(k) for k in kept), default=0)  # exact words per row
+        self.extra = scales + self.exact  # fp32 words per row after the regular scales
         self._cache: dict[tuple[int, ...], Fixups | None] = {}
+
+    @staticmethod
+    def _split_parts(starts, lo: int, numel: int, block: int, regular: int, spans):
+        """(positions, slots, extra slots used) of the elements of row [lo, lo + numel)'s split
+        blocks outside the exact spans: a block's first quantized part keeps its slot, later ones
+        get extra slots."""
+        cuts = sorted({s - lo for s in starts if lo < s < lo + numel and (s - lo) % block})
+        by_block: dict[int, list[int]] = {}
+        for cut in cuts:
+            by_block.setdefault(cut // block, []).append(cut)
+        cols: list[int] = []
+        slots: list[int] = []
+        used = 0
+        for index, inner in by_block.items():
+            edges = [index * block, *inner, min((index + 1) * block, numel)]
+            first = True
+            for a, b in zip(edges, edges[1:]):
+                if any(x <= a and b <= y for x, y in spans):
+                    continue  # a part of an exact parameter: sent as it is
+                slot = index if first else regular + used
+                used += 0 if first else 1
+                first = False
+                cols.extend(range(a, b))
+                slots.extend([slot] * (b - a))
+        return cols, slots, used
 
     def fixups(self, row_ids: Sequence[int], device: torch.device) -> Fixups | None:
         """The fix-ups of a [len(row_ids), S] tensor whose row i is shard row `row_ids[i]`; None
-        where no block is split."""
+        where no block is split and nothing is exact."""
         key = tuple(row_ids)
         if key not in self._cache:
-            rows, cols, slots = [], [], []
+            lists: list[list[int]] = [[] for _ in range(6)]
             for i, row in enumerate(key):
-                c, s = self._per_row[row]
-                rows.extend([i] * len(c))
-                cols.extend(c)
-                slots.extend(s)
-            self._cache[key] = None if not cols else Fixups(
-                *(torch.tensor(v, dtype=torch.int64, device=device) for v in (rows, cols, slots)))
+                cols, slots, kept, words = self._per_row[row]
+                for target, values in zip(lists, ([i] * len(cols), cols, slots,
+                                                  [i] * len(kept), kept, words)):
+                    target.extend(values)
+            self._cache[key] = None if not (lists[1] or lists[4]) else Fixups(
+                *(torch.tensor(v, dtype=torch.int64, device=device) for v in lists))
         return self._cache[key]
 
 
@@ -159,7 +196,7 @@ def quantize_into(rows: torch.Tensor, packed: torch.Tensor, block: int = BLOCK,
     amax = values.new_zeros(count, blocks + extra)
     for piece, a, b, first in pieces:
         amax[:, first:first + piece.shape[1]] = _block_max(piece)
-    if fix is not None:
+    if fix is not None and fix.cols.numel():
         picked = values[fix.rows, fix.cols]
         # Split blocks: each part's maximum replaces the whole block's (include_self=False).
         amax = amax.view(-1).scatter_reduce_(0, fix.rows * amax.shape[1] + fix.slots,
@@ -172,11 +209,14 @@ def quantize_into(rows: torch.Tensor, packed: torch.Tensor, block: int = BLOCK,
         scaled = piece.to(torch.float32, copy=True)
         scaled.mul_(inverse[:, first:first + piece.shape[1]].unsqueeze(2))
         ints[:, a:b].copy_(_to_int(scaled).flatten(1))
-    if fix is not None:
+    if fix is not None and fix.cols.numel():
         ints[fix.rows, fix.cols] = _to_int(picked * inverse[fix.rows, fix.slots]).to(torch.int8)
     start = _data_bytes(numel)
     packed[:, numel:start].zero_()
-    packed[:, start:].view(torch.float32).copy_(scale)
+    words = packed[:, start:].view(torch.float32)
+    words.copy_(scale)
+    if fix is not None and fix.exact_cols.numel():
+        words[fix.exact_rows, fix.exact_slots] = values[fix.exact_rows, fix.exact_cols]
     return packed
 
 
@@ -216,9 +256,12 @@ def dequantize_into(packed: torch.Tensor, out: torch.Tensor, block: int = BLOCK,
         target = out[:, a:b].unflatten(1, (-1, size))
         target.copy_(values[:, a:b].unflatten(1, (-1, size)))
         target.mul_(scale[:, first:first + (b - a) // size].unsqueeze(2))
-    if fix is not None:
+    if fix is not None and fix.cols.numel():
         out[fix.rows, fix.cols] = (values[fix.rows, fix.cols].float()
                                    * scale[fix.rows, fix.slots]).to(out.dtype)
+    if fix is not None and fix.exact_cols.numel():
+        out[fix.exact_rows, fix.exact_cols] = scale[fix.exact_rows,
+                                                    fix.exact_slots].to(out.dtype)
     return out
 
 

@@ -2,9 +2,10 @@
 gradient reduce-scatter with int8 between hosts (codec: `quantize.py`).
 
 qwZ (`quantized_all_gather`). Each rank quantizes its shard (S values, blocks of WEIGHT_BLOCK)
-into one packed row of `packed_size(S)` bytes (int8 values and fp32 block scales together), the
-rows are all-gathered as uint8 through the world's `Comm`, and every rank decodes all N rows, its own included, into the
-full buffer in the compute dtype. Decoding the own row too keeps the gathered weights identical
+into one packed row of `packed_size(S)` bytes (int8 values and fp32 block scales together, and
+the unit's 1-D parameters exact as fp32), the rows are all-gathered as uint8 through the world's
+`Comm`, and every rank decodes all N rows, its own included, into the full buffer in the
+compute dtype. Decoding the own row too keeps the gathered weights identical
 on every rank (all ranks compute with the same weights); the shard itself, the fp32 masters and
 the optimizer state never see the quantization. Wire bytes: packed_size(S) per row instead of
 S x element size (about 1/4 of fp32, 1/2 of bf16/fp16).
@@ -41,9 +42,11 @@ from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize, dequ
 
 
 def block_plan(unit, block: int) -> BlockPlan:
-    """The BlockPlan of `unit`'s shard rows (blocks cut at its parameters' starts)."""
+    """The BlockPlan of `unit`'s shard rows: blocks cut at its parameters' starts, parameters of
+    fewer than two dimensions (biases, norms) sent exact."""
     return BlockPlan([slot.offset for slot in unit.slots], unit.shard_numel, block,
-                     unit.world_size)
+                     unit.world_size,
+                     [(slot.offset, slot.numel) for slot in unit.slots if len(slot.shape) < 2])
 
 
 class _DecodeGather:

@@ -328,6 +328,18 @@ def test_cli_estimate_hpz_row():
             for line in out.getvalue().splitlines() if line.startswith("| ") and "---" not in line}
     assert rows["stage 3 + hpZ 8"][0] == "2.11"  # 0.234 primary + 1.875 secondary
     assert rows["stage 3 + hpZ 8"][-1] == rows["stage 2"][-1] == "3.69"  # inter-node GB
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["estimate", "--params", "7.5e9", "--gpus", "64", "--gpus-per-node", "8",
+                         "--precision", "bf16", "--hpz", "8", "--qwz", "--qgz"]) == 0
+    row = [line.split("|")[2:-1] for line in out.getvalue().splitlines()
+           if line.startswith("| stage 3 + hpZ 8 + qwZ + qgZ |")][0]
+    # Secondary shards of packed int8 rows: 7.5e9 x (1 + 4/256) / 8 bytes (+ 0.234 primary).
+    assert float(row[0]) == pytest.approx(0.234 + 7.5e9 * 1.015625 / 8 / 1e9, abs=0.01)
+    # Inter-node: the forward gather at 1.016 bytes, 1/8 of it across nodes, and 7 of 64
+    # slots of the gradient at 1.0625 bytes: 0.94 + 0.87 GB (stage 3 alone: 5.54).
+    expected = 7.5e9 * (1.015625 * 63 / 64 / 8 + 7 / 64 * 1.0625) / 1e9
+    assert float(row[-1]) == pytest.approx(expected, rel=0.01)
 
 
 def test_plan_picks_hpz_on_a_slow_inter_node_link():
@@ -338,6 +350,9 @@ def test_plan_picks_hpz_on_a_slow_inter_node_link():
     assert slow.choice.row.stage == 3 and slow.choice.row.hpz == 8
     assert slow.config["zero_optimization"]["zero_hpz_partition_size"] == 8
     assert "inter-node link is slow" in slow.report() and "7.5 GB more per GPU" in slow.report()
+    # qwZ / qgZ are named with what they would save, but not chosen: they quantize.
+    assert "adding qwZ + qgZ" in slow.report()
+    assert "zero_quantized_weights" not in slow.config["zero_optimization"]
     zeroshard.load_config(slow.config, world_size=32)
     fast = plan("30B", gpu_mem=40 * GB, gpus=32, gpus_per_node=8, inter_node_gbps=3200)
     assert fast.choice.row.hpz == 1 and "hpZ not needed" in fast.report()

@@ -448,6 +448,34 @@ def test_ledger_counts_quantized_bytes(results):
     assert got["all3"]["bytes"]["inter_host"] < 0.17 * plain
 
 
+def test_estimate_models_the_measured_bytes(results):
+    """`zeroshard estimate`'s stage-3 rows with qwZ / qgZ / hpZ against the ledger: plain stage 3
+    exact; quantized rows at most 15% under what was measured (the model leaves out the split
+    blocks' scales and the exact fp32 biases, which only add) and never over it."""
+    from zeroshard.estimate import estimate
+    from zeroshard.sizing.hierarchy import hpz_row, quantized_row, stage3_bytes
+
+    got = results[0]["ledger"]
+    psi = sum(got["plain"]["sizes"])  # padded elements: what the collectives move
+    est = estimate(psi, gpus=WORLD, gpus_per_node=PER_HOST, precision="fp32")
+    plain = est.row(3)
+    rows = {"plain": plain,
+            "qwZ": quantized_row(plain, psi, WORLD, PER_HOST, 4, True, False),
+            "qgZ": quantized_row(plain, psi, WORLD, PER_HOST, 4, False, True),
+            "both": quantized_row(plain, psi, WORLD, PER_HOST, 4, True, True),
+            "all3": quantized_row(hpz_row(plain, psi, WORLD, 4, PER_HOST), psi, WORLD,
+                                  PER_HOST, 4, True, True)}
+    for name, row in rows.items():
+        total, inter = stage3_bytes(row, psi, WORLD, PER_HOST, 4)
+        assert total == pytest.approx(row.comm_bytes)
+        measured = got[name]["bytes"]
+        for model, seen in ((total, measured["total"]), (inter, measured["inter_host"])):
+            if name == "plain":
+                assert model == pytest.approx(seen, abs=8 * len(got["plain"]["sizes"]))
+            else:
+                assert 0.85 * seen <= model <= seen, (name, model, seen)
+
+
 def test_hierarchical_reduce_scatter_sums_every_rank(results):
     for rank, got in enumerate(results):
         assert got["hierarchical"]["within"], (rank, got["hierarchical"]["error"])

@@ -9,7 +9,7 @@ import os
 
 from .estimate import OFFLOADS, PRECISIONS, STATE_BYTES, Shape, describe_model, estimate, \
     model_from_spec, parse_count
-from .hierarchy import hpz_row
+from .hierarchy import hpz_row, quantized_row
 from .plan import plan, write_config
 
 
@@ -107,6 +107,12 @@ def estimate_main(argv: list[str]) -> int:
     parser.add_argument("--hpz", type=_positive, default=1, metavar="P",
                         help="add a stage-3 row with ZeRO++ hpZ (zero_hpz_partition_size=P): "
                              "secondary parameter shards in groups of P GPUs, usually a node's")
+    parser.add_argument("--qwz", action="store_true",
+                        help="add a stage-3 row (with hpZ if --hpz) with ZeRO++ qwZ "
+                             "(zero_quantized_weights): int8 weight all-gathers")
+    parser.add_argument("--qgz", action="store_true",
+                        help="add a stage-3 row (with hpZ if --hpz, qwZ if --qwz) with ZeRO++ "
+                             "qgZ (zero_quantized_gradients): int8 gradients across nodes")
     parser.add_argument("--json", action="store_true", help="print the structured result")
     args = parser.parse_args(argv)
     params, gpus, per_node, shape = _resolve(args)
@@ -114,9 +120,12 @@ def estimate_main(argv: list[str]) -> int:
     par = args.offload or args.offload_param
     est = estimate(params, gpus, per_node, args.precision, args.optimizer, opt, par, shape,
                    args.bucket, args.live_units)
+    p = PRECISIONS[args.precision][0]
     if args.hpz > 1:
-        p = PRECISIONS[args.precision][0]
         est.rows.append(hpz_row(est.row(3), params, gpus, p, args.hpz))
+    if args.qwz or args.qgz:
+        est.rows.append(quantized_row(est.rows[-1] if args.hpz > 1 else est.row(3), params, gpus,
+                                      per_node, p, args.qwz, args.qgz))
     if args.json:
         print(json.dumps({"params": est.params, "gpus": est.gpus,
                           "gpus_per_node": est.gpus_per_node, "precision": est.precision,

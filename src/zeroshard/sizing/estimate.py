@@ -95,6 +95,10 @@ class Row:
     """Modelled device bytes: comm buckets, gathered units, activations (with / without AC)."""
     hpz: int = 1
     """Stage 3 with ZeRO++ hpZ secondary shards in groups of this many GPUs (`hierarchy.py`)."""
+    qwz: bool = False
+    """Stage 3 with ZeRO++ qwZ: int8 weight all-gathers (`hierarchy.py`)."""
+    qgz: bool = False
+    """Stage 3 with ZeRO++ qgZ: gradients reduced in the node, int8 across nodes."""
 
     def on(self, place: str) -> float:
         """Model-state bytes per rank at `place`."""

@@ -16,6 +16,7 @@ noise floor of the measure at that seed; run several `--seed`s and compare means
     python bench/bench_zeropp_accuracy.py                # plain, qwZ, qgZ, both; 200 steps
     python bench/bench_zeropp_accuracy.py --steps 20 --variants plain,both          # smoke run
     python bench/bench_zeropp_accuracy.py --extra zero_hpz_partition_size=2
+    python bench/bench_zeropp_accuracy.py --warmup 20   # lr ramps up over the first 20 steps
 
 `--extra KEY=VALUE` (repeatable; VALUE read as JSON, else as a string) adds a `zero_optimization`
 key to every variant but the plain baseline, and adds a variant with only the extra keys.
@@ -76,6 +77,10 @@ def _train(name: str, zero: dict, args) -> dict:
             for p in model.parameters():
                 p.mul_(1 + jitter * torch.randn(p.shape, generator=gen))
     config = ds_config({**STAGE3, **zero}, args.micro_batch, args.lr)
+    if args.warmup:  # linear warmup from 0 to --lr over the first --warmup steps (WarmupLR)
+        config["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "warmup_num_steps": args.warmup,
+            "warmup_type": "linear"}}
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     losses, step_s = [], []
     for step in range(args.steps):
@@ -185,6 +190,9 @@ def main(argv=None) -> int:
     parser.add_argument("--per-host", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="linear learning-rate warmup over this many steps (WarmupLR); 0: "
+                             "the demo's constant rate from step 0")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", help="also write the per-step losses and bytes here")
     args = parser.parse_args(argv)
@@ -202,7 +210,9 @@ def main(argv=None) -> int:
         elif name != "plain":
             label = name + "".join(f"+{k}={v}" for k, v in extra.items())
             variants[label] = {**VARIANTS[name], **extra}
-    print(f"ZeRO++ accuracy: demo GPT, {args.steps} steps, {args.world} ranks as "
+    print(f"ZeRO++ accuracy: demo GPT, {args.steps} steps, lr {args.lr:g}"
+          + (f" (linear warmup over {args.warmup})" if args.warmup else "")
+          + f", {args.world} ranks as "
           f"{args.world // args.per_host} hosts x {args.per_host}, variants: {', '.join(variants)}",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -204,14 +204,20 @@ def results():
         deadline = time.monotonic() + 180  # rank 1 exits with code 3 on purpose: no join()
         while any(p.is_alive() for p in exit_world.processes) and time.monotonic() < deadline:
             time.sleep(0.5)
+        killed = [proc.is_alive() for proc in exit_world.processes]
         for proc in exit_world.processes:
             if proc.is_alive():
                 proc.kill()
+                proc.join(10)
         path = os.path.join(tmp, "rank0.pkl")
         exited = pickle.load(open(path, "rb")) if os.path.exists(path) else None
         if exited is not None:
             exited["exitcode"] = exit_world.processes[0].exitcode
-    return out, elapsed, exited
+        # What the exit world's ranks did, for the failure message when rank 0 wrote nothing.
+        how = [f"rank {r}: " + ("still running after 180 s, killed" if dead else
+                                f"exit code {proc.exitcode}")
+               for r, (proc, dead) in enumerate(zip(exit_world.processes, killed))]
+    return out, elapsed, exited, "; ".join(how)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -262,7 +268,7 @@ def test_a_busy_peer_is_named_not_responding(results):
 
 def test_a_peer_that_exits_is_named(results):
     exited = results[2]
-    assert exited is not None, "rank 0 of the exit world wrote no result"
+    assert exited is not None, f"rank 0 of the exit world wrote no result ({results[3]})"
     message = exited["error"]
     assert message is not None and "rank 1: not responding" in message
     # The collective failed as soon as the peer's connection closed: the true time is reported.

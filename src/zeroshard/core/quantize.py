@@ -21,8 +21,8 @@ Parameters of fewer than two dimensions (biases, LayerNorm gains and shifts: abo
 transformer's values) are not quantized at all: their values travel as fp32 words after the
 scales, E of them (the most any row of the unit holds), and decoding writes them back exactly.
 A gain near 1.0 rounded to 1/127 of its block's maximum moves by up to 0.004 per gather, more
-than Adam's early steps move it; with them exact the demo GPT no longer stalls (README). A row
-is then
+than Adam's early steps move it. (Suspected in one stalled run of the demo GPT, it was not the
+cause there, README; it stays because it costs ~2% of the bytes.) A row is then
 
     [ S int8 values | padding | ceil(S / B) scales | K split-part scales | E exact values ]
 

@@ -49,8 +49,9 @@ def stage3_bytes(row, params: float, gpus: int, per_node: int, p: int) -> tuple[
     gather = QWZ_BYTES if getattr(row, "qwz", False) else p
     size = getattr(row, "hpz", 1)
     forward = params * gather * ring
-    if size > 1:
-        backward, backward_share = params * gather * (size - 1) / size, crossing_share(size, per_node)
+    if size > 1:  # inside groups of `size` GPUs
+        backward = params * gather * (size - 1) / size
+        backward_share = crossing_share(size, per_node)
     else:
         backward, backward_share = forward, world
     nodes = -(-gpus // per_node)

@@ -72,7 +72,7 @@ def inter_node_bytes(row, params: float, gpus: int, per_node: int, p: int) -> fl
     return 2 * params * p * (gpus - 1) / gpus * crossing_share(gpus, per_node)
 
 
-def hpz_row(plain, params: float, gpus: int, p: int, size: int, per_node: int | None = None):
+def hpz_row(plain, params: float, gpus: int, p: int, size: int):
     """The stage-3 row `plain` with hpZ secondary shards in groups of `size` GPUs."""
     if plain.stage != 3 or plain.offload_param != "none":
         raise ValueError(f"hpZ applies to stage 3 without parameter offload, not {plain.label}")
@@ -82,7 +82,8 @@ def hpz_row(plain, params: float, gpus: int, p: int, size: int, per_node: int | 
     row.hpz = size
     row.label = f"{plain.label} + hpZ {size}"
     row.states["params"]["device"] += p * params / size
-    row.comm_bytes = stage3_bytes(row, params, gpus, per_node or gpus, p)[0]
+    # Without qgZ (`quantized_row` adds it after hpZ) the total does not depend on the nodes.
+    row.comm_bytes = stage3_bytes(row, params, gpus, gpus, p)[0]
     return row
 
 

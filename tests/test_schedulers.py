@@ -117,6 +117,8 @@ def test_warmup_lr_defaults_and_tiny_warmup():
     assert WarmupDecayLR(sgd((0.5,)), total_num_steps=5000).max_lrs == [0.001]
     s2 = WarmupLR(sgd((0.5,)), warmup_num_steps=1)  # effective warmup is max(2, W)
     assert s2.warmup_num_steps == 2
+    # HF's default warmup is 0 steps: DeepSpeed accepts it as W = 2, and so do we.
+    assert WarmupLR(sgd((0.5,)), warmup_num_steps=0).warmup_num_steps == 2
     opt3 = sgd((0.5,))
     seq = run(WarmupLR(opt3, warmup_min_lr=0.1, warmup_max_lr=0.2, warmup_num_steps=1), opt3, 3)
     assert [x[0] for x in seq] == pytest.approx([0.1, 0.1 + 0.1 * math.log(2) / math.log(2), 0.2])
@@ -345,7 +347,6 @@ def test_build_scheduler_types():
     (lambda o: WarmupDecayLR(o, total_num_steps=10, warmup_num_steps=50), ["WarmupDecayLR", "total_num_steps"]),
     (lambda o: WarmupCosineLR(o, total_num_steps=40, warmup_num_steps=50), ["WarmupCosineLR", "total_num_steps"]),
     (lambda o: WarmupLR(o, warmup_num_steps=-3), ["WarmupLR", "warmup_num_steps"]),
-    (lambda o: WarmupLR(o, warmup_num_steps=0), ["WarmupLR", "warmup_num_steps"]),
     (lambda o: WarmupCosineLR(o, 100, warmup_num_steps=2.5), ["WarmupCosineLR", "warmup_num_steps"]),
     (lambda o: OneCycle(o, 0.1, 1.0, cycle_second_step_size=-1), ["OneCycle", "cycle_second_step_size"]),
     (lambda o: OneCycle(o, [0.1], 1.0), ["OneCycle", "cycle_min_lr"]),

@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest",
-           "SCHEDULERS", "build_scheduler"]
+           "SCHEDULERS", "VALID_LR_SCHEDULES", "build_scheduler"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,13 @@ def _per_group(sched: str, param: str, value: Any, n: int) -> List[float]:
 def _positive_int(sched: str, param: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise _bad(sched, param, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _count(sched: str, param: str, value: Any) -> int:
+    """A step count that may be 0 (HF's default warmup is 0 steps; DeepSpeed accepts it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _bad(sched, param, f"must be a whole number >= 0, got {value!r}")
     return value
 
 
@@ -173,7 +180,7 @@ class WarmupLR(_Scheduler):
         self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, n)
         self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, n)
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
-        self.warmup_num_steps = max(2, _positive_int(name, "warmup_num_steps", warmup_num_steps))
+        self.warmup_num_steps = max(2, _count(name, "warmup_num_steps", warmup_num_steps))
         self.warmup_type = _check_warmup_type(name, warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self._validate(warmup_num_steps)
@@ -225,7 +232,7 @@ class WarmupCosineLR(_Scheduler):
                  warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1, **unknown: Any):
         super().__init__(optimizer, last_batch_iteration, unknown)
         name = type(self).__name__
-        self.warmup_num_steps = max(2, _positive_int(name, "warmup_num_steps", warmup_num_steps))
+        self.warmup_num_steps = max(2, _count(name, "warmup_num_steps", warmup_num_steps))
         self.warmup_type = _check_warmup_type(name, warmup_type)
         _check_total(name, total_num_steps, warmup_num_steps)
         self.total_num_steps = total_num_steps
@@ -393,6 +400,10 @@ class LRRangeTest(_Scheduler):
 
 
 SCHEDULERS = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
+#: DeepSpeed's list of its scheduler names (accelerate checks a scheduler's class name against it).
+VALID_LR_SCHEDULES = list(SCHEDULERS)
+LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
+    "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 def build_scheduler(spec: Dict[str, Any], optimizer: Any) -> _Scheduler:

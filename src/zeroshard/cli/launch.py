@@ -191,7 +191,10 @@ def _alias_env(args: argparse.Namespace, source: str) -> dict[str, str]:
                   "it on zeroshard", file=sys.stderr)
         return {}
     path = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), path) if p)}
+    # The shim directory also holds deepspeed's package metadata (for transformers', accelerate's
+    # and TRL's availability checks) and a sitecustomize.py that runs integrations/worker_hooks.py.
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), path) if p),
+            "ZEROSHARD_WORKER_HOOKS": "1"}
 
 
 def _deepspeed_env(args: argparse.Namespace) -> dict[str, str]:
@@ -240,7 +243,8 @@ def _bind_cores(args: argparse.Namespace) -> None:
 def _apply_accelerate_config(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     """Ranks, nodes and rendezvous from an `accelerate config` file (command-line options win);
     the workers' Accelerator reads the file through ZEROSHARD_ACCELERATE_CONFIG."""
-    from ..integrations.accelerate_config import ENV, read_accelerate_config
+    from ..integrations.accelerate_config import ENV, launch_env, read_accelerate_config
+    from ..integrations.worker_hooks import ACCELERATE_DEEPSPEED
 
     cfg = read_accelerate_config(args.config_file)
     for notice in cfg.notices:
@@ -273,7 +277,9 @@ def _apply_accelerate_config(args: argparse.Namespace, argv: list[str]) -> dict[
         value = cfg.deepspeed.get(key)
         if value and not getattr(args, flag):
             setattr(args, flag, str(value))
-    env = {ENV: cfg.path}
+    env = {ENV: cfg.path, **launch_env(cfg)}
+    if cfg.distributed_type == "DEEPSPEED":
+        env[ACCELERATE_DEEPSPEED] = cfg.path
     if cfg.use_cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif cfg.gpu_ids and cfg.gpu_ids != "all":

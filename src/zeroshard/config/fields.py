@@ -92,6 +92,18 @@ AnyInt = _int()
 NonNegInt = _int(0)
 PosInt = _int(1)
 NonNegFloat = _float(0.0)
+
+
+def _check_period(v: Any) -> Any:
+    # accelerate always writes steps_per_print: inf ("never"); DeepSpeed takes it.
+    if v is None or (isinstance(v, float) and v == float("inf")) or \
+            (isinstance(v, str) and v.lower() in ("inf", "infinity")):
+        return None
+    return v
+
+
+#: A period in steps; `inf` (or null) means never.
+Period = Annotated[PosInt | None, BeforeValidator(_check_period)]
 PosFloat = _float(0.0, above=True)
 Device = Annotated[Literal["none", "cpu", "nvme"], _choice("none", "cpu", "nvme")]
 _DTYPE = _choice("fp32", "fp16", "bf16", aliases={"bfp16": "bf16"})

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .fields import (AnyInt, Bool, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, Device, NonNegFloat,
-                     NonNegInt, PosFloat, PosInt, Str, _DTYPE, _check_names, _choice, _float,
+                     NonNegInt, Period, PosFloat, PosInt, Str, _DTYPE, _check_names, _choice, _float,
                      _int, _match_name, _show)
 from .inert import INERT_KEYS, INERT_VALUES
 from .optimizer import optimizer_param_problems
@@ -211,7 +211,7 @@ class ZeroConfig(_Block):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
-    steps_per_print: PosInt = 10
+    steps_per_print: Period = 10
     wall_clock_breakdown: Bool = False
     # The gradient reduction (core/reduction.py), with DeepSpeed's meaning; unset
     # communication_data_type sums fp16/bf16 gradients in fp32 (DeepSpeed: in the compute dtype).

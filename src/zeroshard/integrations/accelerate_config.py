@@ -78,6 +78,8 @@ class AccelerateConfig:
     rdzv_backend: str | None = None
     use_cpu: bool = False
     gpu_ids: str | None = None
+    distributed_type: str = "NO"
+    debug: bool = False
     mixed_precision: str | None = None
     deepspeed: dict = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
@@ -99,6 +101,7 @@ def read_accelerate_config(path: str) -> AccelerateConfig:
         raise ValueError(f"accelerate config {path}: distributed_type: {kind} is not run by "
                          "zeroshard, which trains with ZeRO; write distributed_type: DEEPSPEED "
                          "and a deepspeed_config section (zero_stage, offload_*_device)")
+    out.distributed_type, out.debug = kind, bool(data.get("debug") or False)
     for key in ("num_processes", "num_machines", "machine_rank", "main_process_port"):
         if data.get(key) is not None:
             setattr(out, key, _int(data[key], key, path))
@@ -121,6 +124,46 @@ def read_accelerate_config(path: str) -> AccelerateConfig:
         out.notices.append(f"accelerate config {path}: enable_cpu_affinity has no effect; use "
                            "zeroshard run --bind_cores_to_rank")
     return out
+
+
+#: The deepspeed_config keys of an accelerate YAML -> the variable `accelerate launch` sets for each.
+LAUNCH_ENV = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "offload_optimizer_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+    "offload_param_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "deepspeed_moe_layer_cls_names": "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+}
+
+
+def launch_env(cfg: AccelerateConfig) -> dict[str, str]:
+    """The environment `accelerate launch` gives its DeepSpeed workers for this config, so that
+    the real `accelerate.Accelerator` (and transformers' Trainer) take their DeepSpeed path: empty
+    unless `distributed_type: DEEPSPEED`."""
+    if cfg.distributed_type != "DEEPSPEED":
+        return {}
+    env = {"ACCELERATE_USE_DEEPSPEED": "true",
+           "ACCELERATE_MIXED_PRECISION": cfg.mixed_precision or "no"}
+    given = list(cfg.deepspeed) + (["mixed_precision"] if cfg.mixed_precision else [])
+    env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(given).lower()
+    for key, name in LAUNCH_ENV.items():
+        value = cfg.deepspeed.get(key)
+        if value is None:
+            continue
+        if key == "deepspeed_config_file":
+            value = os.path.abspath(os.path.join(os.path.dirname(cfg.path), str(value))) \
+                if not os.path.isabs(str(value)) and not os.path.exists(str(value)) else \
+                os.path.abspath(str(value))
+        env[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    if cfg.debug:
+        env["ACCELERATE_DEBUG_MODE"] = "true"
+    return env
 
 
 def check_precision(value, what: str) -> str:

@@ -28,6 +28,10 @@ import importlib.util
 import sys
 import types
 
+#: The DeepSpeed release whose API zeroshard answers, marked as ours (PEP 440 local version): what
+#: `deepspeed.__version__` and the shim's package metadata (`importlib.metadata.version`) say.
+DEEPSPEED_VERSION = "0.19.8+zeroshard"
+
 #: DeepSpeed module paths zeroshard implements, and the zeroshard module that answers each.
 ALIASES = {
     "deepspeed": "zeroshard",
@@ -128,7 +132,13 @@ class _Loader(importlib.abc.Loader):
     def create_module(self, spec):
         """A DeepSpeedModule over the zeroshard module that answers `spec.name` (or none)."""
         target = ALIASES.get(spec.name)
-        return DeepSpeedModule(spec.name, importlib.import_module(target) if target else None)
+        module = DeepSpeedModule(spec.name, importlib.import_module(target) if target else None)
+        if spec.name == "deepspeed":
+            major, minor, patch = DEEPSPEED_VERSION.split("+")[0].split(".")
+            module.__dict__.update(__version__=DEEPSPEED_VERSION, __version_major__=int(major),
+                                   __version_minor__=int(minor), __version_patch__=int(patch),
+                                   __git_hash__="zeroshard", __git_branch__="zeroshard")
+        return module
 
     def exec_module(self, module) -> None:
         """Nothing to run: the module answers through zeroshard's."""

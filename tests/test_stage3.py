@@ -135,7 +135,7 @@ def _run_extra_case(rank, world, kind):
     else:
         _train(engine, batches, rank, world, 1, dict_io=kind == "dict_io")
     extra["names_kept"] = names_before == [n for n, _ in model.named_parameters()] and \
-        list(model.state_dict()) == list(make_model().state_dict())
+        list(model.state_dict(keep_vars=True)) == list(make_model().state_dict())
     if kind == "eval":
         extra.update(_eval_checks(engine, model, ref, rank, world))
     if kind == "gathered":

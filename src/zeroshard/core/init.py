@@ -216,7 +216,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     refreshed; no unit is ever gathered. Missing or unexpected keys raise an error naming them.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    expected = set(model.state_dict().keys())
+    expected = set(model.state_dict(keep_vars=True).keys())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys "

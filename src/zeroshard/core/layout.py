@@ -50,6 +50,10 @@ class ZeroParamStatus(enum.Enum):
 def set_status(unit: "Unit", status: ZeroParamStatus) -> None:
     """Record `status` (and the real sizes) on every parameter of `unit`."""
     for slot in unit.slots:
+        if not hasattr(slot.param, "ds_id"):
+            # DeepSpeed's marker of a ZeRO-3 parameter: Hugging Face, TRL and DeepSpeed-Chat
+            # gather only the parameters that have one. Unique while the parameter lives.
+            slot.param.ds_id = id(slot.param)
         slot.param.ds_status = status
         slot.param.ds_shape = slot.shape
         slot.param.ds_numel = slot.numel

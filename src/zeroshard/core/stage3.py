@@ -44,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..comm import Comm
+from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
 from .quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan
@@ -250,6 +251,7 @@ class Stage3(Stage2):
         for unit in self.units:  # persistent units are whole; sharded ones are released
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)
+        self._guard_saving()
         # Shards move to their placement now that they are in the compute dtype.
         sharded = [u for u in self.units if u.index in self.sharded]
         self.store = self.options.make_store(sharded) if self.options.make_store else \
@@ -267,6 +269,17 @@ class Stage3(Stage2):
             self.hooks.append(module.register_forward_hook(
                 lambda mod, args, kwargs, out, n=needs, b=borrowed:
                 self._post_forward(n, out, b, (args, kwargs)), with_kwargs=True))
+
+    def _guard_saving(self) -> None:
+        """state_dict() and torch.save of released parameters raise instead of saving them
+        empty (guards.py)."""
+        sharded = {id(p) for u in self.units if u.index in self.sharded for p in u.params()}
+        for param in self.module.parameters():
+            if id(param) in sharded:
+                guard_pickling(param)
+        for module in self.module.modules():
+            if any(id(p) in sharded for p in module._parameters.values() if p is not None):
+                self.hooks.append(guard_state_dict(module))
 
     def _pre_forward(self, needs: list[int], is_root: bool) -> None:
         in_backward = _in_backward()

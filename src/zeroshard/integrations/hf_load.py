@@ -149,7 +149,7 @@ def _rename(names: list[str], model: nn.Module) -> dict[str, str]:
     """checkpoint name -> model name: a base model's checkpoint into a model with a head, or the
     reverse, differ by `base_model_prefix.`."""
     prefix = getattr(model, "base_model_prefix", "")
-    keys = set(model.state_dict().keys())
+    keys = set(model.state_dict(keep_vars=True).keys())
     if prefix and names and not any(n.startswith(prefix + ".") for n in names) and \
             any(k.startswith(prefix + ".") for k in keys):
         return {n: f"{prefix}.{n}" if f"{prefix}.{n}" in keys else n for n in names}
@@ -177,7 +177,7 @@ def plan_load(model: nn.Module, entries: dict) -> tuple[dict, list[str]]:
         aliases.setdefault(id(param), []).append(name)
         tensors[id(param)] = param
     for name, buf in model.named_buffers(remove_duplicate=False):
-        if name in model.state_dict():  # persistent buffers only
+        if name in model.state_dict(keep_vars=True):  # persistent buffers only
             aliases.setdefault(id(buf), []).append(name)
             tensors[id(buf)] = buf
     owner = {name: key for key, names in aliases.items() for name in names}

@@ -33,7 +33,7 @@ from torch import nn
 from ..comm import Comm, default_device, init_distributed
 from ..config.schema import load_config
 from .hostmem import return_freed_memory
-from .init_hf import attach_stage3_methods, patch_initialize_weights
+from .init_hf import attach_stage3_methods, patch_initialize_weights, pretrained_base
 # init_units, take_full and gather_init_units are re-exported (their users import them from here).
 from .init_units import (gather_init_units, init_units, partition_parameter,  # noqa: F401
                          take_full)
@@ -91,14 +91,22 @@ class Init:
 
         apply._zeroshard_init = True  # marks an active Init (init_active)
         nn.Module.apply = apply
-        # Hugging Face models initialize through their own walk, not Module.apply (init_hf.py).
-        self._undo_hf = patch_initialize_weights(self)
+        self._undo_hf = None
+        self._patch_hf()
         return self
+
+    def _patch_hf(self) -> None:
+        """Hugging Face models initialize through their own walk, not Module.apply (init_hf.py):
+        patch it as soon as transformers is imported, also when that happens inside the context
+        (a model factory that imports transformers lazily)."""
+        if self._undo_hf is None and pretrained_base() is not None:
+            self._undo_hf = patch_initialize_weights(self)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
-        self._undo_hf()
+        if self._undo_hf is not None:
+            self._undo_hf()
         nn.Module.apply = self._original_apply
         if self._had_init_subclass:
             nn.Module.__init_subclass__ = self._original_init_subclass
@@ -151,6 +159,7 @@ class Init:
             key = id(module)
             outermost = key not in self._depth  # not a super().__init__ call of the same object
             if outermost:
+                self._patch_hf()
                 if self._building:
                     # The parent starts another child: its earlier children are finished.
                     self._flush(self._building[-1])

@@ -1,9 +1,12 @@
 """The Accelerate loop of the seed document (shared/seeds/000_*.txt, "Hugging Face + ZeRO"),
-verbatim except for its import line, around a small causal LM whose forward returns `.loss`.
+verbatim, around a small causal LM whose forward returns `.loss`.
 
-tests/test_accelerate.py calls `seed_loop` inside a world of ranks with the ZeRO settings in an
-`accelerate config` YAML; run as a script (`zeroshard run --config_file acc.yaml
-tests/accelerate_seed_loop.py --out DIR`) rank 0 writes DIR/result.json with the final weights.
+tests/test_accelerate.py calls `seed_loop` with `from zeroshard import Accelerator` inside a
+world of ranks with the ZeRO settings in an `accelerate config` YAML. Run as a script
+(`zeroshard run --config_file acc.yaml tests/accelerate_seed_loop.py --out DIR`) it is the seed
+exactly, `from accelerate import Accelerator` (the real one, which reaches zeroshard through
+DeepSpeed's name), and rank 0 writes DIR/result.json with the final weights, what accelerate's
+state said, and what a DeepSpeed-Chat-style `save_zero_three_model` wrote.
 """
 
 import json
@@ -17,7 +20,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import lm_loss, make_model  # noqa: E402
 
-from zeroshard import Accelerator  # was: from accelerate import Accelerator
+if __name__ == "__main__":
+    from accelerate import Accelerator  # the seed's own import line
+else:
+    from zeroshard import Accelerator  # was: from accelerate import Accelerator
 
 BATCH, SAMPLES, LR = 2, 32, 1e-2
 
@@ -73,14 +79,55 @@ def weights(accelerator, model) -> dict:
     return {name: tensor.float().clone() for name, tensor in state.items()}
 
 
+def save_like_deepspeed_chat(model, rank: int, path: str) -> None:
+    """DeepSpeed-Chat's `save_zero_three_model` pattern: each parameter carrying `ds_id` is read
+    inside `deepspeed.zero.GatheredParameters` when it is not available, rank 0 torch.saves."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    state = {}
+    for name, param in model.module.named_parameters():
+        if hasattr(param, "ds_id"):
+            fetch = [param] if param.ds_status == ZeroParamStatus.NOT_AVAILABLE else []
+            with deepspeed.zero.GatheredParameters(fetch, enabled=True):
+                value = param.data.cpu()
+        else:
+            value = param.cpu()
+        if rank == 0:
+            state[name] = value
+    if rank == 0:
+        torch.save(state, path)
+
+
+def unsaved_errors(model) -> list[str]:
+    """What `state_dict()` and `torch.save(param)` of partitioned parameters say (stage 3)."""
+    import io
+
+    said = []
+    for attempt in (model.module.state_dict,
+                    lambda: torch.save(next(model.module.parameters()), io.BytesIO())):
+        try:
+            attempt()
+        except RuntimeError as err:
+            said.append(str(err))
+    return said
+
+
 if __name__ == "__main__":
     out = sys.argv[sys.argv.index("--out") + 1]
     accelerator, model = seed_loop(*fresh())
     final = weights(accelerator, model)
+    stage = model.zero_optimization_stage()
+    if stage == 3:
+        save_like_deepspeed_chat(model, accelerator.process_index,
+                                 os.path.join(out, "pytorch_model.bin"))
     if accelerator.is_main_process:
         with open(os.path.join(out, "result.json"), "w") as fh:
             json.dump({"world": accelerator.num_processes,
-                       "stage": model.zero_optimization_stage(),
+                       "distributed_type": accelerator.distributed_type.value,
+                       "stage": stage, "engine": type(model).__module__,
                        "offload": model.config["zero_optimization"].get("offload_optimizer"),
+                       "offload_param": model.config["zero_optimization"].get("offload_param"),
+                       "unsaved_errors": unsaved_errors(model) if stage == 3 else [],
                        "weights": {k: v.tolist() for k, v in final.items()}}, fh)
     accelerator.wait_for_everyone()

@@ -28,6 +28,7 @@ from .core.mics import check_mics, mics_comms
 from .core.no_optimizer import REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.reduction import Reduction
+from .core.deepspeed_views import ThroughputTimer
 from .core.scaler import LossScaler
 from .core.stage3 import Stage3Options
 from .offload.optimizer import make_placement
@@ -57,6 +58,8 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self.training_dataloader = None
+        #: DeepSpeed's throughput timer (DeepSpeed-Chat reads it): core/deepspeed_views.py.
+        self.tput_timer = ThroughputTimer(self)
         self.compute_dtype = _compute_dtype(config)
         autocast = config.torch_autocast
         self.autocast_dtype = getattr(torch, autocast.dtype) if autocast.enabled else None
@@ -146,15 +149,17 @@ class Engine(nn.Module):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of `loss` scaled by the fp16 loss scale and 1/accumulation steps."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss` scaled by the fp16 loss scale and 1/accumulation steps (not the
+        latter with `scale_wrt_gas=False`: the caller divided already, as transformers does)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor; reduce it (e.g. "
                              f".mean()) first, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
         if self.inference_only:
             raise RuntimeError(REFUSAL.format(what="engine.backward"))
-        scale = self.scaler.scale / self.gradient_accumulation_steps()
+        scale = self.scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         self.optimizer.policy.expect_boundary(self.is_gradient_accumulation_boundary())
         with self.comm.phase("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -270,9 +275,14 @@ class Engine(nn.Module):
 
         return full_state_dict(self.module, rank0_only)
 
-    def _zero3_consolidated_16bit_state_dict(self) -> dict:
-        """DeepSpeed's name (used by Hugging Face Trainer): the consolidated state dict on rank 0."""
-        return self.consolidated_state_dict(rank0_only=True)
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's name (used by Hugging Face Trainer and accelerate): the consolidated state
+        dict on rank 0 (empty elsewhere), without frozen parameters if asked (PEFT adapters)."""
+        state = self.consolidated_state_dict(rank0_only=True)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -284,11 +294,8 @@ class Engine(nn.Module):
                           "zero_optimization.stage3_gather_16bit_weights_on_model_save=true "
                           "(or use engine.consolidated_state_dict())", stacklevel=2)
             return False
-        state = self.consolidated_state_dict(rank0_only=True)
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.rank == 0:
-            if exclude_frozen_parameters:
-                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-                state = {k: v for k, v in state.items() if k not in frozen}
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             if save_filename.endswith(".safetensors"):

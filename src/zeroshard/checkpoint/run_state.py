@@ -60,6 +60,14 @@ def rng_state() -> dict:
     return state
 
 
+def set_rng_state(rng: dict) -> None:
+    """Put this process's RNGs back to a state `rng_state()` returned (or read_rng read)."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(as_tuple(rng["python"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 def read_rng(path: str, rank: int, files: dict | None) -> dict | None:
     """This rank's saved RNG state, tried on scratch generators; None if it saved none (the
     checkpoint came from fewer ranks: this rank keeps its own)."""

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
 from ..core.mics import replica_targets
-from .run_state import as_tuple, check_client_state, jsonable, read_rng, rng_state, \
+from .run_state import as_tuple, check_client_state, jsonable, read_rng, rng_state, set_rng_state, \
     scheduler_state
 from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
                                 read_meta, seal, torch_load_verified)
@@ -549,8 +549,5 @@ def _restore_engine(engine, meta, rng, load_lr_scheduler_states, with_optim) -> 
     if sampler is not None and meta.get("sampler_epoch") is not None:
         sampler.set_epoch(meta["sampler_epoch"])  # the epoch's shuffle order, as when saved
     if rng is not None:
-        torch.set_rng_state(rng["torch"])
-        random.setstate(as_tuple(rng["python"]))
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_rng_state(rng)
 

@@ -364,6 +364,12 @@ def _check_keys(raw: dict, path: str, problems: list[str], inert: list[str]) -> 
             out[key] = value
         elif key in inert_here:
             inert.append(inert_here[key].format(full=full, key=key))
+        elif not path and "." in key:
+            # TRL writes Hugging Face's "auto" fill-ins ("zero_optimization.reduce_bucket_size")
+            # as top-level keys into the config it hands to initialize(); DeepSpeed ignores
+            # top-level keys it does not know, so these never reach its ZeRO settings.
+            inert.append(f"'{full}' is a top-level key with a dot in its name: DeepSpeed "
+                         "ignores it and so does zeroshard (nest it to set that value)")
         else:
             # Real field names first: an alias or inert key is a worse suggestion than a field.
             close = (difflib.get_close_matches(key, list(cls.model_fields), n=2, cutoff=0.6)

@@ -29,7 +29,8 @@ def _as_list(params) -> list[nn.Parameter]:
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, Iterable):
-        return list(params)
+        # None entries are skipped (transformers passes a bias that a layer does not have).
+        return [p for p in params if p is not None]
     raise TypeError(f"GatheredParameters expects a parameter, a list or a generator of them, "
                     f"got {type(params).__name__}")
 
@@ -67,7 +68,7 @@ class GatheredParameters:
             for policy, indices in self._pinned.values():
                 policy.unpin(indices)
             for unit in self._init_units:
-                unit.release()
+                unit.release(detach=True)
 
     def _publish(self) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -25,13 +25,14 @@ copying only its slices.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..comm import Comm, default_device, init_distributed
-from ..config.schema import load_config
+from ..config.schema import load_config, read_raw
 from .hostmem import return_freed_memory
 from .init_hf import attach_stage3_methods, patch_initialize_weights, pretrained_base
 # init_units, take_full and gather_init_units are re-exported (their users import them from here).
@@ -49,6 +50,20 @@ def _subclasses(cls):
         yield from _subclasses(sub)
 
 
+def _without_auto(raw: dict) -> dict:
+    return {k: _without_auto(v) if isinstance(v, dict) else v for k, v in raw.items()
+            if v != "auto"}
+
+
+def _init_stage(source, world_size: int) -> int:
+    """The ZeRO stage of a config handed to Init. As in DeepSpeed, "auto" values (Hugging Face's
+    bucket and batch sizes, resolved only when the engine is built) are left out here; the rest is
+    checked, quietly: initialize() reports its notices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config(_without_auto(read_raw(source)), world_size).zero_optimization.stage
+
+
 class Init:
     """Construct models partitioned across ranks (stage 3); plain construction at stages 0-2."""
 
@@ -58,7 +73,7 @@ class Init:
         stage = 0
         if enabled and source is not None:
             init_distributed()  # as initialize() would: torchrun's environment, or a world of 1
-            stage = load_config(source, world_size=dist.get_world_size()).zero_optimization.stage
+            stage = _init_stage(source, dist.get_world_size())
         # Nested inside an active Init (a model_init that calls integrations.hf.from_pretrained
         # under ZeroTrainer's Init): the outer context already partitions everything built.
         self.enabled = enabled and stage == 3 and not init_active()

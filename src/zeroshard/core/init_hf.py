@@ -149,11 +149,15 @@ def attach_stage3_methods(model: nn.Module) -> None:
     base = pretrained_base()
     if base is None or not isinstance(model, base):
         return
-    generate, resize = model.generate, model.resize_token_embeddings
-    model.generate = functools.wraps(generate)(
-        lambda *args, **kwargs: generate_gathered(model, generate, *args, **kwargs))
-    model.resize_token_embeddings = functools.wraps(resize)(
-        lambda *args, **kwargs: resize_partitioned(model, resize, *args, **kwargs))
+    # transformers 5 gives generate() only to generative models (not BertForSequenceClassification).
+    generate = getattr(model, "generate", None)
+    if generate is not None:
+        model.generate = functools.wraps(generate)(
+            lambda *args, **kwargs: generate_gathered(model, generate, *args, **kwargs))
+    resize = getattr(model, "resize_token_embeddings", None)
+    if resize is not None:
+        model.resize_token_embeddings = functools.wraps(resize)(
+            lambda *args, **kwargs: resize_partitioned(model, resize, *args, **kwargs))
 
 
 def _live_budget(params) -> int | None:

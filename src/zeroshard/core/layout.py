@@ -54,6 +54,7 @@ def set_status(unit: "Unit", status: ZeroParamStatus) -> None:
             # DeepSpeed's marker of a ZeRO-3 parameter: Hugging Face, TRL and DeepSpeed-Chat
             # gather only the parameters that have one. Unique while the parameter lives.
             slot.param.ds_id = id(slot.param)
+            slot.param.ds_active_sub_modules = set()  # TRL clears it around generation
         slot.param.ds_status = status
         slot.param.ds_shape = slot.shape
         slot.param.ds_numel = slot.numel
@@ -182,13 +183,20 @@ class Unit:
         set_status(self, ZeroParamStatus.INFLIGHT)
         return self.flat
 
-    def release(self, pool: "StoragePool | None" = None) -> None:
+    def release(self, pool: "StoragePool | None" = None, detach: bool = False) -> None:
         """Free the full buffer's storage; parameters hold empty tensors until the next gather.
 
         The storage object itself stays: views of it that autograd saved in forward see the data
         again once the unit is gathered for backward. The parameters are re-pointed at an empty
         tensor (shape in `ds_shape`), so touching one while released is an ordinary error.
+
+        With `detach` (the end of a GatheredParameters context) the unit lets go of the buffer
+        instead of emptying it: a tensor the user kept from inside the context (`p.data.cpu()`
+        is `p.data` itself on the CPU) keeps its values, as in DeepSpeed, and the memory goes
+        when the last such reference does. The next gather starts a new buffer.
         """
+        if detach and self.flat is not None:
+            self.flat = None
         if self.flat is not None and self.flat.untyped_storage().nbytes() > 0:
             if pool is not None:
                 pool.take_back(self.flat.untyped_storage())

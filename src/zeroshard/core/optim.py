@@ -28,6 +28,7 @@ from torch import nn
 
 from ..comm import Comm, default_device
 from .hostmem import host_region, to_device
+from .deepspeed_views import ParameterOffloadView
 from .hostsync import HostSyncs
 from .init import take_full
 from .layout import OWNER_ATTR, Unit, build_units
@@ -97,6 +98,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #: The unclipped global gradient norm of the last applied step, as a device tensor.
         self.grad_norm: torch.Tensor | None = None
         self.step_applied = False
+        self.model = model
+        self._parameter_offload = None
         #: Host synchronization points of the step, counted by reason.
         self.syncs = HostSyncs()
         self.steps = 0
@@ -201,6 +204,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def defaults(self):
         """The wrapped optimizer's defaults."""
         return self.optimizer.defaults
+
+    @property
+    def overflow(self) -> bool:
+        """DeepSpeed's flag (accelerate reads it): the last optimizer step was skipped (fp16)."""
+        return self.steps > 0 and not self.step_applied
+
+    @property
+    def parameter_offload(self):
+        """DeepSpeed's stage-3 hook owner, as TRL reads it (core/deepspeed_views.py)."""
+        if self._parameter_offload is None:
+            self._parameter_offload = ParameterOffloadView(self.model)
+        return self._parameter_offload
+
+    def state_dict(self):
+        """Refused: the optimizer state is sharded over ranks; it is saved and loaded whole by
+        `engine.save_checkpoint` / `engine.load_checkpoint`."""
+        raise RuntimeError("ZeroOptimizer.state_dict(): this rank holds only its shard of the "
+                           "optimizer state; save and load it with engine.save_checkpoint(dir) / "
+                           "engine.load_checkpoint(dir) (every rank calls them)")
+
+    def load_state_dict(self, state_dict) -> None:
+        """Refused, as state_dict() (use engine.load_checkpoint)."""
+        self.state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (buffers are zeroed and stay attached)."""

@@ -87,6 +87,8 @@ def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list
                     if child_name and type(child) in repeated and type(child) is not type(module):
                         nested.add(type(child))
         chosen = {n for n, m in named if type(m) in repeated - nested}
+    # DeepSpeed's leaf marks (utils/z3_leaf.py): a marked module is gathered whole.
+    chosen |= {n for n, m in named if getattr(m, "_z3_leaf", False)}
     # Keep only outermost chosen modules (a chosen module inside another is part of it).
     out = []
     for name, module in named:

@@ -44,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..comm import Comm
+from .deepspeed_views import add_external_parameters_method
 from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
@@ -212,15 +213,15 @@ class Stage3(Stage2):
                 self.lossy.discard(index)
             set_status(self.by_index[index], ZeroParamStatus.AVAILABLE)
 
-    def reshard(self, index: int) -> None:
-        """Free unit `index`'s full buffer (keeps pinned units)."""
+    def reshard(self, index: int, detach: bool = False) -> None:
+        """Free unit `index`'s full buffer (keeps pinned units); `detach`: see Unit.release."""
         unit = self.by_index[index]
         if index not in self.sharded or self.pinned.get(index) or not unit.is_gathered:
             return
         handle = self.pending.pop(index, None)
         if handle is not None:
             handle.wait()  # never free storage a collective is still writing
-        unit.release(self.gathered_pool)
+        unit.release(None if detach else self.gathered_pool, detach=detach)
         self.lossy.discard(index)
         self.packed.pop(index, None)
         self.live_numel -= unit.padded_numel
@@ -271,15 +272,14 @@ class Stage3(Stage2):
                 self._post_forward(n, out, b, (args, kwargs)), with_kwargs=True))
 
     def _guard_saving(self) -> None:
-        """state_dict() and torch.save of released parameters raise instead of saving them
-        empty (guards.py)."""
+        """torch.save of released parameters raises, state_dict() warns (guards.py)."""
         sharded = {id(p) for u in self.units if u.index in self.sharded for p in u.params()}
         for param in self.module.parameters():
             if id(param) in sharded:
                 guard_pickling(param)
         for module in self.module.modules():
-            if any(id(p) in sharded for p in module._parameters.values() if p is not None):
-                self.hooks.append(guard_state_dict(module))
+            self.hooks.append(guard_state_dict(module))
+        add_external_parameters_method(self.module)
 
     def _pre_forward(self, needs: list[int], is_root: bool) -> None:
         in_backward = _in_backward()
@@ -418,7 +418,7 @@ class Stage3(Stage2):
         for index in sorted(i for i in set(indices) if i in self.sharded):
             self.pinned[index] = max(0, self.pinned.get(index, 0) - 1)
             if not self.active.get(index):
-                self.reshard(index)
+                self.reshard(index, detach=True)
 
     def commit(self, unit: Unit) -> None:
         """Copy this rank's slice of a gathered unit's (changed) full buffer into its shard."""

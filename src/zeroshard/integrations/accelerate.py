@@ -148,6 +148,16 @@ class Accelerator(RankMixin):
         return self.num_processes > 1
 
     @property
+    def distributed_type(self):
+        """Accelerate's `DistributedType.DEEPSPEED` (a str enum; the plain string "DEEPSPEED"
+        without accelerate installed): every run here is a DeepSpeed-style ZeRO engine."""
+        try:
+            from accelerate.utils import DistributedType
+        except ImportError:
+            return "DEEPSPEED"
+        return DistributedType.DEEPSPEED
+
+    @property
     def device(self) -> torch.device:
         """The compute device: cuda:LOCAL_RANK with CUDA, else the CPU."""
         return self.engine.device if self.engine is not None else default_device()

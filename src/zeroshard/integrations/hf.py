@@ -36,6 +36,8 @@ engine is built by the first train() and kept (save_model, evaluate, a later tra
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import itertools
 import math
 import os
@@ -50,6 +52,7 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 
 import zeroshard
 from zeroshard.config.auto import resolve_auto
+from zeroshard.checkpoint.run_state import rng_state, set_rng_state
 from zeroshard.config import read_raw
 
 STATE_NAME = "trainer_state.json"
@@ -88,6 +91,54 @@ def resolve_hf_config(zero_config, args, model, world_size: int, max_steps: int)
             raise ValueError(f"zero_config {key}={cfg[key]} but TrainingArguments {arg}="
                              f"{getattr(args, arg)}; make them agree or set {key} to \"auto\"")
     return cfg
+
+
+class HfZero3Config:
+    """What transformers' `is_deepspeed_zero3_enabled()` and `deepspeed_config()` read (through a
+    weak reference, as its own HfDeepSpeedConfig is read)."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        """Always: only a stage-3 run announces itself."""
+        return True
+
+
+@contextlib.contextmanager
+def zero3_announced(config: dict, enabled: bool = True):
+    """Within the context transformers sees ZeRO-3 on, as under DeepSpeed: generate() syncs the
+    ranks (synced_gpus), TRL gathers partitioned weights itself, from_pretrained builds under
+    `deepspeed.zero.Init`. Outside it, what was there before is put back (a model loaded on one
+    rank after training must not start collectives the other ranks never join).
+
+    Those code paths `import deepspeed`: where DeepSpeed is not installed, that name is aliased
+    to zeroshard in this process (integrations/deepspeed_alias.py), as under `zeroshard run`."""
+    if not enabled:
+        yield None
+        return
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from .deepspeed_alias import install, installed
+
+    if not installed():
+        try:
+            found = importlib.util.find_spec("deepspeed") is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            install()
+    before = hf_deepspeed._hf_deepspeed_config_weak_ref
+    before = before() if before is not None else None
+    flag = HfZero3Config(config)
+    hf_deepspeed.set_hf_deepspeed_config(flag)
+    try:
+        yield flag
+    finally:
+        if before is not None:
+            hf_deepspeed.set_hf_deepspeed_config(before)
+        else:
+            hf_deepspeed.unset_hf_deepspeed_config()
 
 
 def last_checkpoint(output_dir: str) -> str | None:
@@ -152,8 +203,27 @@ class ZeroTrainer(Trainer):
         return loss.detach()
 
     # -- the loop ----------------------------------------------------------------------------------
+    def _stage3(self):
+        """transformers sees ZeRO-3 on while this trainer works at stage 3 (zero3_announced)."""
+        stage = read_raw(self.zero_config).get("zero_optimization", {}).get("stage", 0)
+        return zero3_announced(read_raw(self.zero_config), enabled=stage == 3)
+
+    def evaluate(self, *args, **kwargs):
+        """The Trainer's evaluate, with ZeRO-3 announced to transformers at stage 3."""
+        with self._stage3():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """The Trainer's predict, with ZeRO-3 announced to transformers at stage 3."""
+        with self._stage3():
+            return super().predict(*args, **kwargs)
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """Train with TrainingArguments' semantics (module docstring); returns a TrainOutput."""
+        with self._stage3():
+            return self._train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _train(self, resume_from_checkpoint, trial, ignore_keys_for_eval):
         args = self.args
         loader = self.get_train_dataloader()
         gas = args.gradient_accumulation_steps
@@ -184,7 +254,7 @@ class ZeroTrainer(Trainer):
             _set_epoch(loader, epoch)
             skip = (self.state.global_step - epoch * per_epoch) * gas  # resuming mid-epoch
             self.control = handler.on_epoch_begin(args, self.state, self.control)
-            batches = itertools.islice(loader, skip, per_epoch * gas)
+            batches = _skipped(loader, skip, per_epoch * gas)
             for i, inputs in enumerate(batches, start=skip):
                 if i % gas == 0:
                     self.control = handler.on_step_begin(args, self.state, self.control)
@@ -286,6 +356,21 @@ def _set_epoch(loader, epoch: int) -> None:
                 getattr(batch_sampler, "batch_sampler", None)):
         if obj is not None and hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
+
+
+def _skipped(loader, skip: int, stop: int):
+    """Batches skip..stop-1 of the loader's epoch. Starting an epoch draws from the global RNG
+    (the shuffle seed); when resuming mid-epoch the checkpoint's RNG state is the one after that
+    draw, so it is put back once the skipped batches are consumed: dropout then sees the same
+    random numbers as in the uninterrupted run."""
+    if skip == 0:
+        return itertools.islice(loader, 0, stop)
+    saved = rng_state()
+    batches = iter(loader)
+    for _ in range(skip):
+        next(batches)
+    set_rng_state(saved)
+    return itertools.islice(batches, 0, stop - skip)
 
 
 def _rotate(run_dir: str, limit: int | None) -> None:

@@ -1,5 +1,6 @@
-"""DeepSpeed's `deepspeed.ops` names, backed by torch's own kernels (`ops.adam`)."""
+"""DeepSpeed's `deepspeed.ops` names, backed by torch's own kernels (`ops.adam`, `ops.adagrad`)
+or written here (`ops.lion`)."""
 
-from . import adam
+from . import adagrad, adam, lion
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam", "lion"]

@@ -1,0 +1,213 @@
+"""The Hugging Face stack, unchanged, on zeroshard under `zeroshard run` (2 CPU ranks, tiny local
+models, no hub): the real `accelerate.Accelerator` in the seed's loop from an `accelerate config`
+YAML at stages 2 and 3, transformers' Trainer with `--deepspeed` (the docs' "auto" ZeRO-3 config
+with CPU offload) training, saving, reloading with from_pretrained and resuming bitwise, TRL's
+own `sft.py` at stage 3, and what the launcher gives its workers (deepspeed's package metadata,
+accelerate's DeepSpeed environment). Each launch is one real job; they are few and small."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.accelerate_seed_loop import CausalLM  # noqa: E402
+from tests.test_accelerate import _worst, reference  # noqa: E402
+
+ROOT = Path(__file__).parent.parent
+TESTS = ROOT / "tests"
+SHIM = ROOT / "src" / "zeroshard" / "integrations" / "_deepspeed_shim"
+WORLD = 2
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(ZEROSHARD_QUIET="1", PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def launch(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`zeroshard run ARGS` as a user types it, in `cwd`."""
+    return subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", *args],
+                          capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
+
+
+def _ok(res: subprocess.CompletedProcess) -> None:
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+
+
+# -- what the launcher gives its workers ------------------------------------------------------------
+def test_workers_see_deepspeed_installed_with_our_version():
+    """With the shim first on PYTHONPATH (as `zeroshard run` sets it), the availability checks of
+    transformers and accelerate pass, and the version says whose DeepSpeed it is."""
+    from zeroshard.integrations.deepspeed_alias import DEEPSPEED_VERSION
+
+    probe = ("import importlib.metadata as m, json, deepspeed\n"
+             "from transformers.integrations import is_deepspeed_available as hf\n"
+             "from accelerate.utils import is_deepspeed_available as acc\n"
+             "print(json.dumps([m.version('deepspeed'), m.metadata('deepspeed')['Name'], "
+             "deepspeed.__version__, hf(), acc(), type(deepspeed.utils.logger).__name__]))")
+    env = dict(_env(), PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "src")]))
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    version, name, attr, hf_ok, acc_ok, logger = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (version, name, attr) == (DEEPSPEED_VERSION, "deepspeed", DEEPSPEED_VERSION)
+    assert version.endswith("+zeroshard") and hf_ok and acc_ok and logger == "Logger"
+    dist_info = SHIM / f"deepspeed-{DEEPSPEED_VERSION}.dist-info"
+    assert (dist_info / "METADATA").is_file()  # the folder's name carries the same version
+
+
+def test_launcher_turns_an_accelerate_yaml_into_accelerates_deepspeed_environment(tmp_path):
+    from zeroshard.cli.launch import prepare_run_args
+    from tests.test_accelerate import write_yaml
+
+    script = tmp_path / "train.py"
+    script.write_text("import accelerate\n")
+    config = write_yaml(tmp_path / "acc.yaml", 3, "cpu", "cpu", gas=2)
+    env = prepare_run_args(["--config_file", config, str(script)]).zeroshard_env
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert (env["ACCELERATE_DEEPSPEED_ZERO_STAGE"], env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"],
+            env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"],
+            env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"],
+            env["ACCELERATE_DEEPSPEED_ZERO3_INIT"]) == ("3", "2", "cpu", "cpu", "false")
+    assert env["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert set(env["ACCELERATE_CONFIG_DS_FIELDS"].split(",")) >= {"zero_stage", "mixed_precision"}
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SHIM)
+    assert env["ZEROSHARD_WORKER_HOOKS"] == "1" and "ACCELERATE_USE_CPU" not in env
+    off = prepare_run_args(["--no-alias-deepspeed", "--config_file", config, str(script)])
+    assert "ZEROSHARD_WORKER_HOOKS" not in off.zeroshard_env
+
+
+# -- the seed's loop with the real accelerate -------------------------------------------------------
+STAGE3_JSON = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+               "gradient_clipping": 1.0, "train_batch_size": "auto",
+               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                     "offload_param": {"device": "cpu"},
+                                     "stage3_param_persistence_threshold": 0}}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_seed_loop_with_real_accelerate_engages_zero(stage, tmp_path):
+    """`zeroshard run --config_file accelerate.yaml seed.py`: at stage 2 the YAML's own ZeRO
+    settings, at stage 3 its deepspeed_config_file (every parameter partitioned); both equal one
+    process on the same data with accelerate's default clipping (1.0)."""
+    from tests.test_accelerate import write_yaml
+
+    config = write_yaml(tmp_path / "acc.yaml", 2, "cpu")
+    if stage == 3:
+        (tmp_path / "ds.json").write_text(json.dumps(STAGE3_JSON))
+        text = Path(config).read_text()
+        head, tail = text.split("deepspeed_config:\n", 1)
+        # As `accelerate config` writes it: with a config file, no ZeRO keys and no precision.
+        tail = "\n".join(line for line in tail.splitlines()
+                         if not line.startswith("  ") and not line.startswith("mixed_precision"))
+        Path(config).write_text(head + "deepspeed_config:\n  deepspeed_config_file: ds.json\n"
+                                "  zero3_init_flag: false\n" + tail + "\n")
+    res = launch(["--config_file", config, str(TESTS / "accelerate_seed_loop.py"),
+                  "--out", str(tmp_path)], tmp_path)
+    _ok(res)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["world"], result["stage"], result["distributed_type"]) == \
+        (WORLD, stage, "DEEPSPEED")
+    assert result["engine"] == "zeroshard.engine" and result["offload"]["device"] == "cpu"
+    got = {k: torch.tensor(v) for k, v in result["weights"].items()}
+    assert _worst(got, reference(clip=1.0)) < 1e-5
+    if stage == 3:
+        assert result["offload_param"]["device"] == "cpu"
+        # Saving partitioned parameters outside a gather: the pickle refuses, state_dict warns.
+        assert "GatheredParameters" in result["unsaved_errors"][0]
+        # DeepSpeed-Chat's save_zero_three_model pattern (ds_id + GatheredParameters) loads.
+        saved = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+        model = CausalLM()
+        missing, unexpected = model.load_state_dict(saved, strict=False)
+        assert not unexpected and missing == ["lm.head.weight"]  # tied to the embedding
+        assert _worst(got, {n: p.detach() for n, p in model.named_parameters()}) == 0.0
+
+
+def test_accelerator_cpu_true_under_a_deepspeed_yaml_is_an_error(tmp_path):
+    """accelerate drops DeepSpeed for Accelerator(cpu=True): under a DEEPSPEED config the
+    worker stops and says so, instead of training without ZeRO."""
+    from tests.test_accelerate import write_yaml
+
+    config = write_yaml(tmp_path / "acc.yaml", 2, world=1)
+    script = tmp_path / "cpu.py"
+    script.write_text("from accelerate import Accelerator\nAccelerator(cpu=True)\n")
+    res = launch(["--config_file", config, "--nproc-per-node", "1", str(script)], tmp_path)
+    assert res.returncode != 0
+    assert "distributed_type: DEEPSPEED" in res.stderr and "cpu=True" in res.stderr
+
+
+# -- transformers' Trainer and TRL with --deepspeed -------------------------------------------------
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from tests.hf_assets import write_assets
+
+    return write_assets(str(tmp_path_factory.mktemp("hf")))
+
+
+def _trainer(assets, out, *extra) -> subprocess.CompletedProcess:
+    return launch([str(TESTS / "hf_trainer_script.py"), "--model_dir", assets["model"],
+                   "--train_file", os.path.join(assets["data"], "train.jsonl"),
+                   "--output_dir", out, "--deepspeed", assets["ds_zero3"], "--max_steps", "4",
+                   "--save_steps", "2", "--per_device_train_batch_size", "2",
+                   "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none",
+                   "--seed", "0", *extra], os.path.dirname(out))
+
+
+def test_trainer_with_deepspeed_zero3_offload_trains_saves_and_resumes_bitwise(assets, tmp_path):
+    """run_clm-style: the docs' "auto" ZeRO-3 + CPU-offload config drives zeroshard; the model is
+    partitioned while training; the saved model loads with from_pretrained; a run resumed from
+    checkpoint-2 ends bitwise equal to the uninterrupted one (dropout on)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    _ok(_trainer(assets, full))
+    probe = json.loads(Path(full, "probe.json").read_text())
+    assert (probe["deepspeed"], probe["zero3"], probe["engine"], probe["world"]) == \
+        (True, True, "zeroshard.engine", WORLD)
+    assert probe["global_step"] == 4 and probe["held_at_step"] < probe["full"] / 10
+    assert sorted(p for p in os.listdir(full) if p.startswith("checkpoint")) == \
+        ["checkpoint-2", "checkpoint-4"]
+    assert os.path.isdir(os.path.join(full, "checkpoint-2", "global_step2"))  # what resume globs
+    model = AutoModelForCausalLM.from_pretrained(full)
+    saved = load_file(os.path.join(full, "model.safetensors"))
+    assert all(torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters()
+               if n in saved)
+    assert sum(p.numel() for p in model.parameters()) == probe["full"]
+
+    _ok(_trainer(assets, resumed, "--resume_from_checkpoint",
+                 os.path.join(full, "checkpoint-2")))
+    again = load_file(os.path.join(resumed, "model.safetensors"))
+    assert saved.keys() == again.keys()
+    assert all(torch.equal(saved[k], again[k]) for k in saved)
+    assert json.loads(Path(resumed, "probe.json").read_text())["losses"] == probe["losses"]
+
+
+def test_trl_sft_script_at_zero3(assets, tmp_path):
+    """TRL's own scripts/sft.py with --deepspeed (ZeRO-3, CPU offload) trains and saves a model
+    that loads."""
+    trl = pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+
+    script = os.path.join(os.path.dirname(trl.__file__), "scripts", "sft.py")
+    out = str(tmp_path / "sft")
+    _ok(launch([script, "--model_name_or_path", assets["model"], "--dataset_name",
+                assets["data"], "--max_steps", "3", "--per_device_train_batch_size", "2",
+                "--max_length", "32", "--bf16", "False", "--logging_steps", "1",
+                "--output_dir", out, "--deepspeed", assets["ds_zero3"], "--report_to", "none"],
+               tmp_path))
+    state = json.loads(Path(out, "checkpoint-3", "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and all("loss" in h for h in state["log_history"][:3])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -135,6 +135,79 @@ def _names(rank, world):
         out["unresolvable"] = "no error"
     except ConfigError as err:
         out["unresolvable"] = str(err)
+    out["callers"] = _callers(rank)
+    return out
+
+
+def _callers(rank):
+    """The DeepSpeed names Hugging Face, TRL and DeepSpeed-Chat use on an engine (stage 3)."""
+    import io
+    import warnings
+
+    import zeroshard as deepspeed
+    from zeroshard.core.guards import PartitionedStateError, PartitionedStateWarning
+    from tests.hf_assets import DS_ZERO3
+
+    out = {}
+    with deepspeed.zero.Init(config_dict_or_path=DS_ZERO3):  # "auto"s are left for later
+        model = dropin_script.Net()
+    out["init_auto"] = all(p.numel() == 0 for p in model.blocks.parameters())
+    model.head.bias.requires_grad_(False)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    norms = {}
+    for scale_wrt_gas in (True, False):
+        torch.manual_seed(0)
+        fresh = dropin_script.Net()
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=fresh, config=cfg, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.0))
+        for _ in range(2):
+            engine.backward(engine(torch.ones(2, dropin_script.FEATURES)).sum(),
+                            scale_wrt_gas=scale_wrt_gas)
+            engine.step()
+        norms[scale_wrt_gas] = engine.get_global_grad_norm()
+        engine.destroy()
+    out["scale_wrt_gas"] = norms[False] / norms[True]
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, config=cfg, optimizer=torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=0.01))
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, dropin_script.FEATURES)).pow(2).mean())
+        engine.step()
+    params = list(engine.module.parameters())
+    offload = optimizer.parameter_offload
+    out["ds_markers"] = (all(hasattr(p, "ds_id") and p.ds_active_sub_modules == set()
+                             for p in params),
+                         engine.module.blocks[0].ds_external_parameters() == [],
+                         offload.module is engine.module, offload.forward_hooks == [],
+                         callable(offload._register_deepspeed_module))
+    engine.tput_timer.update_epoch_count()
+    out["timer"] = (engine.tput_timer.epoch_count, engine.tput_timer.global_step_count,
+                    engine.tput_timer.avg_samples_per_sec() > 0)
+    out["overflow"] = optimizer.overflow
+    whole = engine.consolidated_state_dict(rank0_only=False)
+    weight = engine.module.blocks[0][0].weight
+    with deepspeed.zero.GatheredParameters([weight, None]):  # transformers passes absent biases
+        kept = weight.data.cpu()  # on the CPU this is the gathered buffer itself
+    out["kept_after_exit"] = torch.equal(kept, whole["blocks.0.0.weight"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.module.state_dict()
+    out["state_dict_warns"] = [str(w.message) for w in caught
+                               if issubclass(w.category, PartitionedStateWarning)]
+    try:
+        torch.save(weight, io.BytesIO())
+        out["pickle"] = "no error"
+    except PartitionedStateError as err:
+        out["pickle"] = str(err)
+    try:
+        optimizer.state_dict()
+        out["optimizer_state_dict"] = "no error"
+    except RuntimeError as err:
+        out["optimizer_state_dict"] = str(err)
+    without = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    out["exclude_frozen"] = sorted(set(whole) - set(without)) if rank == 0 else None
+    engine.destroy()
     return out
 
 
@@ -156,3 +229,59 @@ def test_auto_values_resolve_as_documented(names):
         # model: off; h = 32: h^2, 0.9 h^2, 10 h.
         assert got["auto"] == (3, 6, 1.0, False, 1024, 921, 320, 3)
         assert "optimizer.params.lr" in got["unresolvable"] and "auto" in got["unresolvable"]
+
+
+def test_names_hugging_face_trl_and_deepspeed_chat_read(names):
+    """zero.Init takes the HF "auto" config; backward(scale_wrt_gas=False) leaves the loss
+    undivided (accelerate divides it); stage-3 markers TRL reads; tput_timer; overflow."""
+    for got in names:
+        c = got["callers"]
+        assert c["init_auto"] and c["ds_markers"] == (True, True, True, True, True)
+        assert c["scale_wrt_gas"] == pytest.approx(2.0, rel=1e-6)
+        assert c["timer"] == (1, 1, True) and c["overflow"] is False  # 2 micro-steps, gas 2
+    assert names[0]["callers"]["exclude_frozen"] == ["head.bias"]
+
+
+def test_partitioned_parameters_are_never_saved_empty_without_a_word(names):
+    """A tensor kept from inside GatheredParameters stays whole after it; state_dict() of a
+    released model warns, torch.save of a released parameter and the sharded optimizer's
+    state_dict() raise, each naming what to use instead."""
+    for got in names:
+        c = got["callers"]
+        assert c["kept_after_exit"]
+        assert len(c["state_dict_warns"]) == 1 and "GatheredParameters" in c["state_dict_warns"][0]
+        assert "GatheredParameters" in c["pickle"] and "consolidated_state_dict" in c["pickle"]
+        assert "save_checkpoint" in c["optimizer_state_dict"]
+
+
+def test_deepspeed_utility_names():
+    """utils.logger is a real Logger; clone_tensors_for_torch_save copies; z3 leaf marks make a
+    module one stage-3 unit; the CPU Adagrad / Lion classes step."""
+    import logging
+
+    from torch import nn
+
+    from zeroshard.checkpoint.clone import clone_tensors_for_torch_save
+    from zeroshard.core.partition import unit_modules
+    from zeroshard.ops.adagrad import DeepSpeedCPUAdagrad
+    from zeroshard.ops.lion import DeepSpeedCPULion
+    from zeroshard.utils import logger, set_z3_leaf_modules, z3_leaf_module
+
+    assert isinstance(logger, logging.Logger)
+    base = torch.arange(6.0)
+    copied = clone_tensors_for_torch_save({"a": [base[2:4]], "b": (1, base)})
+    assert torch.equal(copied["a"][0], base[2:4]) and copied["b"][0] == 1
+    assert copied["a"][0].untyped_storage().nbytes() == 2 * 4  # its own bytes, not the buffer's
+    model = dropin_script.Net()
+    assert [n for n, _ in unit_modules(model)] == ["blocks.0", "blocks.1"]
+    set_z3_leaf_modules(model, [nn.Linear])  # the head was no unit of its own
+    assert z3_leaf_module(model.head)
+    assert [n for n, _ in unit_modules(model)] == ["blocks.0", "blocks.1", "head"]
+    with pytest.raises(ValueError, match="no module of class"):
+        set_z3_leaf_modules(model, ["NoSuchBlock"])
+    for cls in (DeepSpeedCPUAdagrad, DeepSpeedCPULion):
+        p = nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones(3)
+        opt.step()
+        assert (p < 1).all(), cls.__name__

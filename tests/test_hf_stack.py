@@ -211,3 +211,44 @@ def test_trl_sft_script_at_zero3(assets, tmp_path):
     assert state["global_step"] == 3 and all("loss" in h for h in state["log_history"][:3])
     model = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_init_with_transformers_first_imported_inside_it(tmp_path):
+    """A model factory that imports transformers lazily, called inside zeroshard.Init: the model
+    is built partitioned with bitwise the weights of a plain construction (a fresh process, so
+    transformers really is imported for the first time there)."""
+    probe = """
+import sys, torch, zeroshard
+assert "transformers" not in sys.modules
+def factory():
+    import transformers
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32))
+with zeroshard.Init(config={"zero_optimization": {"stage": 3}}):
+    model = factory()
+partitioned = all(p.numel() == 0 for p in model.transformer.h.parameters())
+with zeroshard.GatheredParameters(list(model.parameters())):
+    got = {k: v.clone() for k, v in model.state_dict().items()}
+plain = factory().state_dict()
+print(partitioned, all(torch.equal(got[k], plain[k]) for k in plain))
+"""
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=_env(), timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-2:] == ["True", "True"]
+
+
+def test_a_launch_given_a_deepspeed_config_that_builds_no_engine_fails(tmp_path):
+    """A script handed `--deepspeed ds.json` that never builds an engine (it parses the flag and
+    ignores it) ends in an error saying so; --no-zero-check lets an evaluation-only job pass."""
+    script = tmp_path / "ignores.py"
+    script.write_text("import argparse\nparser = argparse.ArgumentParser()\n"
+                      "parser.add_argument('--deepspeed')\nparser.add_argument('--local_rank')\n"
+                      "parser.parse_args()\n")
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    res = launch(["--nproc-per-node", "1", str(script), "--deepspeed", "ds.json"], tmp_path)
+    assert res.returncode == 1 and "no worker built a ZeRO engine" in res.stderr
+    assert "ds.json" in res.stderr
+    _ok(launch(["--nproc-per-node", "1", "--no-zero-check", str(script), "--deepspeed",
+                "ds.json"], tmp_path))

@@ -23,9 +23,10 @@ STEPS, SAVE_AT = 6, 3  # 4 optimizer steps per epoch: resume mid-epoch 1, end in
 
 
 def _model():
+    """Dropout on: resuming must give the same random numbers as the uninterrupted run."""
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     return transformers.GPT2LMHeadModel(cfg).float()
 
 
@@ -45,6 +46,19 @@ def _args(out, **overrides):
               disable_tqdm=True, seed=0, use_cpu=not torch.cuda.is_available())
     kw.update(overrides)
     return transformers.TrainingArguments(**kw)
+
+
+class _SeesZero3(transformers.TrainerCallback):
+    """Records what transformers' is_deepspeed_zero3_enabled() says during training."""
+
+    def __init__(self):
+        self.seen = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Read the flag once a step has run."""
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        self.seen = is_deepspeed_zero3_enabled()
 
 
 class _StopAt(transformers.TrainerCallback):
@@ -71,8 +85,10 @@ def _stage(rank, root, stage):
                                  for name in ("full", "part", "saved"))
     data = _data()
     limit = 1 if stage == 3 else None  # save_total_limit keeps only the newest checkpoint
+    sees = _SeesZero3()
     trainer = ZeroTrainer(model=_model(), args=_args(full_dir, save_total_limit=limit),
-                          zero_config=cfg, train_dataset=data, eval_dataset=data[:8])
+                          zero_config=cfg, train_dataset=data, eval_dataset=data[:8],
+                          callbacks=[sees])
     output = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     eval_loss = trainer.evaluate()["eval_loss"]
@@ -83,8 +99,11 @@ def _stage(rank, root, stage):
     with torch.no_grad():
         live = trainer.engine(input_ids=probe).logits
     trainer.engine.destroy()
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
     out = {"losses": losses, "global_step": output.global_step, "eval_loss": eval_loss,
-           "checkpoints": sorted(os.listdir(full_dir))}
+           "checkpoints": sorted(os.listdir(full_dir)),
+           "zero3_seen": (sees.seen, is_deepspeed_zero3_enabled())}
     if rank == 0:
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved).eval()
         reference = _model().eval()
@@ -157,9 +176,46 @@ def _short(rank, root, stage):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def _sft(rank, root):
+    """TRL's SFTTrainer on ZeroTrainer at stage 3 (its loss and entropy read lm_head whole)."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from tests import hf_assets
+    from zeroshard.integrations.hf import ZeroTrainer
+
+    class ZeroSFTTrainer(ZeroTrainer, SFTTrainer):
+        """SFT's data handling and loss, zeroshard's engine."""
+
+    path = os.path.join(root, "sft-model")
+    if rank == 0:
+        hf_assets.save_model(path)
+    torch.distributed.barrier()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    data = datasets.Dataset.from_list([{"text": t} for t in hf_assets.sentences(32)])
+    args = SFTConfig(output_dir=os.path.join(root, "sft"), per_device_train_batch_size=2,
+                     max_steps=3, max_length=32, report_to="none", save_strategy="no",
+                     use_cpu=True, bf16=False, logging_steps=1, disable_tqdm=True)
+    trainer = ZeroSFTTrainer(model=model, args=args, train_dataset=data,
+                             processing_class=transformers.AutoTokenizer.from_pretrained(path),
+                             zero_config={"zero_optimization": {
+                                 "stage": 3, "stage3_param_persistence_threshold": 0}})
+    trainer.train()
+    out = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+           "stage": trainer.engine.zero_optimization_stage()}
+    trainer.engine.destroy()
+    return out
+
+
 def _all(rank, world, root):
-    return {"stage2": _stage(rank, root, 2), "stage3": _stage(rank, root, 3),
-            "auto": _auto(rank, root), "short": {s: _short(rank, root, s) for s in (0, 1)}}
+    out = {"stage2": _stage(rank, root, 2), "stage3": _stage(rank, root, 3),
+           "auto": _auto(rank, root), "short": {s: _short(rank, root, s) for s in (0, 1)}}
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return out
+    out["sft"] = _sft(rank, root)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +232,24 @@ def test_loss_decreases(results, stage):
         assert got["global_step"] == STEPS and len(got["losses"]) == STEPS
         assert got["losses"][-1] < 0.95 * got["losses"][0], got["losses"]
         assert got["eval_loss"] < got["losses"][0]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_transformers_sees_zero3_only_while_a_stage3_trainer_works(results, stage):
+    """is_deepspeed_zero3_enabled() is true during a stage-3 train() (TRL and generate read it)
+    and false again afterwards (a from_pretrained on one rank must not start collectives)."""
+    for r in results:
+        assert r[f"stage{stage}"]["zero3_seen"] == (stage == 3, False)
+
+
+def test_trl_sft_trainer_on_zero_trainer_at_stage3(results):
+    """SFTTrainer's loss on ZeroTrainer's engine, stage 3: trains, same losses on both ranks."""
+    if "sft" not in results[0]:
+        pytest.skip("trl is not installed")
+    first = results[0]["sft"]
+    assert first["stage"] == 3 and len(first["losses"]) == 3
+    assert all(0 < loss < 10 for loss in first["losses"])
+    assert results[1]["sft"]["losses"] == first["losses"]
 
 
 @pytest.mark.parametrize("stage", [0, 1])

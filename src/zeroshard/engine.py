@@ -29,6 +29,7 @@ from .core.no_optimizer import REFUSAL, is_placeholder, make_no_placement, place
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.reduction import Reduction
 from .core.deepspeed_views import ThroughputTimer
+from .process_group import mark_engaged
 from .core.scaler import LossScaler
 from .core.stage3 import Stage3Options
 from .offload.optimizer import make_placement
@@ -542,6 +543,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         loader_batch, training_data = training_data.batch_size, training_data.dataset
     engine, zopt, scheduler, cfg = _build(model, optimizer, model_parameters, config,
                                           lr_scheduler, args, config_params, loader_batch)
+    mark_engaged()
     loader = None
     if training_data is not None:
         loader = make_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, engine.comm,

@@ -17,6 +17,19 @@ import torch
 import torch.distributed as dist
 
 
+#: A folder from `zeroshard run`: initialize() leaves a file there, so that a job handed a DeepSpeed
+#: config whose workers never built an engine fails instead of ending as if it had trained.
+ENGAGED_DIR = "ZEROSHARD_ENGAGED_DIR"
+
+
+def mark_engaged() -> None:
+    """Tell the launcher (if any) that this worker built a ZeRO engine."""
+    folder = os.environ.get(ENGAGED_DIR)
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}"), "w"):
+            pass
+
+
 def env_int(*names: str) -> int | None:
     """The first of these environment variables that is set and not empty, as an int."""
     for name in names:

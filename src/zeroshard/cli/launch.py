@@ -28,9 +28,11 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from . import deepspeed_flags
+from ..process_group import ENGAGED_DIR
 from .nodes import announce, apply_node_defaults
 
 #: The directory whose deepspeed.py makes `import deepspeed` load zeroshard in the workers.
@@ -113,6 +115,9 @@ def build_run_parser() -> argparse.ArgumentParser:
                        help="'import deepspeed' loads zeroshard even though DeepSpeed is installed")
     group.add_argument("--no-alias-deepspeed", "--no_alias_deepspeed", action="store_true",
                        help="never make 'import deepspeed' load zeroshard")
+    group.add_argument("--no-zero-check", "--no_zero_check", action="store_true",
+                       help="do not fail a job that was given a DeepSpeed config but built no "
+                            "ZeRO engine (an evaluation-only script)")
     group.add_argument("--config_file", "--config-file", default=None, metavar="YAML",
                        help="an 'accelerate config' file (accelerate launch's --config_file)")
     deepspeed_flags.add_arguments(parser)
@@ -153,6 +158,8 @@ def prepare_run_args(argv: list[str]) -> argparse.Namespace:
                                          *args.training_script_args]
     env.update(_alias_env(args, source))
     env.update(_deepspeed_env(args))
+    args.zero_expected = None if args.no_zero_check or "ZEROSHARD_WORKER_HOOKS" not in env else \
+        _asks_for_zero(args, env)
     if args.bind_cores_to_rank or args.bind_core_list:
         _bind_cores(args)
     args.zeroshard_env = env
@@ -168,14 +175,39 @@ def run_command(argv: list[str]) -> int:
     from torch.distributed.run import run
 
     os.environ.update(args.zeroshard_env)  # the workers inherit this process's environment
-    try:
-        run(args)
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        print(f"zeroshard run: {err.name} failed on rank {rank} "
-              f"(exit code {failure.exitcode}); its output is above.", file=sys.stderr)
-        return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+    with tempfile.TemporaryDirectory(prefix="zeroshard-engaged-") as engaged:
+        os.environ[ENGAGED_DIR] = engaged  # initialize() leaves a mark there (worker_hooks.py)
+        try:
+            run(args)
+        except ChildFailedError as err:
+            rank, failure = err.get_first_failure()
+            print(f"zeroshard run: {err.name} failed on rank {rank} "
+                  f"(exit code {failure.exitcode}); its output is above.", file=sys.stderr)
+            code = failure.exitcode
+            return code if isinstance(code, int) and code > 0 else 1
+        if args.zero_expected and not os.listdir(engaged):
+            print(f"zeroshard run: {args.zero_expected}, but no worker built a ZeRO engine: the "
+                  "job trained without ZeRO, or did nothing. Check that the script hands that "
+                  "config to deepspeed.initialize (transformers: TrainingArguments(deepspeed=...); "
+                  "accelerate: Accelerator() without cpu=True). A job that is not meant to "
+                  "train with it (evaluation only) can pass --no-zero-check.", file=sys.stderr)
+            return 1
     return 0
+
+
+def _asks_for_zero(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+    """Why this launch expects a ZeRO engine (an accelerate config with DeepSpeed, or a DeepSpeed
+    config file among the script's arguments), or None."""
+    if env.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        return f"the accelerate config {args.config_file} says distributed_type: DEEPSPEED"
+    script_args = list(args.training_script_args)
+    for i, arg in enumerate(script_args):
+        flag, _, value = arg.partition("=")
+        if flag in ("--deepspeed", "--deepspeed_config", "--deepspeed-config"):
+            value = value or (script_args[i + 1] if i + 1 < len(script_args) else "")
+            if value.endswith(".json") or (value and os.path.isfile(value)):
+                return f"the script was given the DeepSpeed config {value} ({flag})"
+    return None
 
 
 def _alias_env(args: argparse.Namespace, source: str) -> dict[str, str]:

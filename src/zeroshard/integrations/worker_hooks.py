@@ -14,6 +14,8 @@ zeroshard, and patches only when the library concerned is imported:
 * **Never silent.** When the launcher's accelerate config asked for DeepSpeed
   (ZEROSHARD_ACCELERATE_DEEPSPEED=<yaml path>) and accelerate's state still ends up without it
   (`Accelerator(cpu=True)`, or `ACCELERATE_USE_CPU`), the worker stops with an error saying so.
+  And `initialize()` leaves a mark for the launcher (process_group.mark_engaged), which fails a
+  job that was handed a DeepSpeed config and ended without any worker building an engine.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ import sys
 
 #: Set by the launcher when its accelerate config says `distributed_type: DEEPSPEED`.
 ACCELERATE_DEEPSPEED = "ZEROSHARD_ACCELERATE_DEEPSPEED"
-
-
 class AccelerateDeepSpeedError(RuntimeError):
     """The launcher's accelerate config asked for DeepSpeed ZeRO and accelerate did not take it."""
 

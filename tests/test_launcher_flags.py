@@ -155,14 +155,20 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as moe_split
 import deepspeed.pipe
+import importlib.metadata as metadata
 from transformers.integrations.deepspeed import is_deepspeed_available
+from accelerate.utils import is_deepspeed_available as accelerate_sees
+from zeroshard.integrations.deepspeed_alias import DEEPSPEED_VERSION
 out = {"initialize": deepspeed.initialize is zeroshard.initialize,
        "accelerator": get_accelerator() is zeroshard.get_accelerator() and top_level is get_accelerator,
        "comm": dist.get_rank is zeroshard.comm.get_rank,
        "zero": ZeroParamStatus is zeroshard.zero.ZeroParamStatus,
        "engine": deepspeed.DeepSpeedEngine is zeroshard.Engine,
        "isinstance": isinstance(object(), deepspeed.pipe.PipelineModule),
-       "hf_sees_no_deepspeed": not is_deepspeed_available()}
+       "hf_and_accelerate_see_deepspeed": is_deepspeed_available() and accelerate_sees(),
+       "version": [metadata.version("deepspeed"), metadata.metadata("deepspeed")["Name"],
+                   deepspeed.__version__, DEEPSPEED_VERSION],
+       "logger": type(deepspeed.utils.logger).__name__}
 for name, use in (("moe", lambda: moe_split({})), ("pipe", lambda: deepspeed.pipe.PipelineModule([])),
                   ("inference", lambda: deepspeed.init_inference(None))):
     try:
@@ -180,8 +186,15 @@ def test_import_deepspeed_resolves_to_zeroshard_with_the_shim():
                          timeout=180, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
-    for key in ("initialize", "accelerator", "comm", "zero", "engine", "hf_sees_no_deepspeed"):
+    for key in ("initialize", "accelerator", "comm", "zero", "engine",
+                "hf_and_accelerate_see_deepspeed"):
         assert out[key] is True, key
+    # The shim's package metadata answers for transformers', accelerate's and TRL's checks, with
+    # a version that says whose DeepSpeed this is; the dist-info folder carries the same one.
+    installed, name, attribute, ours = out["version"]
+    assert installed == attribute == ours and ours.endswith("+zeroshard") and name == "deepspeed"
+    assert (launch.SHIM / f"deepspeed-{ours}.dist-info" / "METADATA").is_file()
+    assert out["logger"] == "Logger"
     assert out["isinstance"] is False
     assert out["moe"].startswith("deepspeed.moe.utils.split_params_into_different_moe_groups_for_"
                                  "optimizer is not supported by zeroshard (mixture of experts)")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import warnings
 
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
 from ..core.mics import replica_targets
-from .run_state import as_tuple, check_client_state, jsonable, read_rng, rng_state, set_rng_state, \
+from .run_state import check_client_state, jsonable, read_rng, rng_state, set_rng_state, \
     scheduler_state
 from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
                                 read_meta, seal, torch_load_verified)

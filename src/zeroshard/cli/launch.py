@@ -15,9 +15,12 @@ file, each mapped onto torchrun options (deepspeed_flags.py), and nothing else:
 * `--local_rank=<n>` is appended to each worker's arguments when the script's source declares such
   an option or imports deepspeed (DeepSpeed's launcher always passes it; torchrun never does);
 * `import deepspeed` in the workers loads zeroshard when DeepSpeed is not installed
-  (integrations/deepspeed_alias.py; `--alias-deepspeed` when it is);
+  (integrations/deepspeed_alias.py; `--alias-deepspeed` when it is), deepspeed's package metadata
+  answers there, and accelerate gets gloo on a host without GPUs (integrations/worker_hooks.py);
+* a launch handed a DeepSpeed config in which no worker built an engine fails (`--no-zero-check`);
 * `--config_file accelerate.yaml` takes ranks, nodes and rendezvous from an `accelerate config`
-  file and hands it to `zeroshard.Accelerator` in the workers (accelerate launch's --config_file).
+  file and gives the workers what `accelerate launch --config_file` gives them (its DeepSpeed
+  environment), plus the file for `zeroshard.Accelerator`.
 """
 
 from __future__ import annotations
@@ -73,8 +76,14 @@ local rank:
   off.
 Accelerate:
   --config_file accelerate.yaml     an 'accelerate config' file: num_processes, num_machines,
-                                    machine_rank, main_process_ip/port and the ZeRO settings
-                                    that zeroshard.Accelerator() in the script reads
+                                    machine_rank, main_process_ip/port; with distributed_type:
+                                    DEEPSPEED the workers get accelerate launch's DeepSpeed
+                                    environment (the real accelerate drives zeroshard) and the
+                                    file (zeroshard.Accelerator reads it)
+ZeRO engaged or an error:
+  a launch given a DeepSpeed config (that YAML, or --deepspeed / --deepspeed_config x.json among
+  the script's arguments) in which no worker built a ZeRO engine exits 1 saying so;
+  --no-zero-check for an evaluation-only job
 """
 
 # Options that, when given, mean the user chose the rendezvous: leave it to torchrun untouched.

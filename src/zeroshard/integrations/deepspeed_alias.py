@@ -15,9 +15,12 @@ unchanged script's `import deepspeed` loads that file, which calls `install()`:
   it as a base raises `UnsupportedError` naming it (`deepspeed.moe.layer.MoE is not supported by
   zeroshard (mixture of experts) ...`).
 
+The same directory holds `deepspeed-<DEEPSPEED_VERSION>.dist-info`, so packages that check for
+DeepSpeed by its installed metadata (transformers, accelerate, TRL) find it in the workers and
+take their DeepSpeed paths, and a `sitecustomize.py` that loads worker_hooks.py.
+
 `python script.py` outside the launcher never runs this: there `import deepspeed` still needs to
-be written `import zeroshard as deepspeed`. Packages that check for DeepSpeed by its installed
-metadata (transformers, accelerate) still see that it is not installed.
+be written `import zeroshard as deepspeed`.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def _surface(rank, world, tmp):
                    "index": accelerator.process_index, "n": accelerator.num_processes,
                    "device": accelerator.device.type, "precision": accelerator.mixed_precision,
                    "unwrap": accelerator.unwrap_model(engine) is model, "autocast": logits.dtype,
-                   "param_dtype": next(model.parameters()).dtype, "stage": engine.zero_optimization_stage()}
+                   "param_dtype": next(model.parameters()).dtype, "stage": engine.zero_optimization_stage(),
+                   "distributed_type": accelerator.distributed_type}
     # Saving: the consolidated weights as safetensors (rank 0), in shards when asked.
     state = accelerator.get_state_dict(engine)
     accelerator.save_model(engine, os.path.join(tmp, "model"))
@@ -177,6 +178,8 @@ def test_rank_helpers_precision_and_autocast(surface):
             (rank == 0, rank == 0, rank, 2)
         assert info["precision"] == "bf16" and info["param_dtype"] == torch.bfloat16
         assert info["unwrap"] and info["autocast"] == torch.bfloat16 and info["stage"] == 3
+        # accelerate's own examples compare it with DistributedType members (a str enum).
+        assert info["distributed_type"] == "DEEPSPEED"
 
 
 def test_save_model_writes_safetensors(surface):

@@ -81,7 +81,10 @@ def test_seed_stage2_bucket_sizes_are_ints():
 
 
 def test_seed_stage3_offload_is_supported():
-    require_supported(load_quietly(CONFIG_DIR / "seed_stage3_offload.json"))
+    cfg = load_quietly(CONFIG_DIR / "seed_stage3_offload.json")
+    zero = cfg.zero_optimization
+    assert (zero.stage, zero.offload_optimizer.device, zero.offload_param.device) == (3, "cpu", "cpu")
+    assert require_supported(cfg) is None  # raises NotSupportedYetError when it is not
 
 
 def test_partial_offload_ratio_is_refused_by_name():
@@ -92,7 +95,9 @@ def test_partial_offload_ratio_is_refused_by_name():
 
 
 def test_stage3_without_offload_is_supported():
-    require_supported(load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3}}))
+    cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3}})
+    assert cfg.zero_optimization.offload_optimizer is None and cfg.zero_optimization.stage == 3
+    assert require_supported(cfg) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -504,15 +509,19 @@ def test_inert_top_level_key_is_dropped():
 
 
 def test_stage0_offload_is_ignored_not_refused():
-    cfg = load_quietly({"train_batch_size": 4,
-                        "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
-    require_supported(cfg)
+    cfg, messages = load_recording({"train_batch_size": 4, "zero_optimization": {
+        "stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    assert require_supported(cfg) is None
+    assert len(messages) == 1 and "offload_optimizer" in messages[0] and \
+        "ignored at stage 0" in messages[0]
 
 
 def test_require_supported_nvme_offload():
     cfg = load_config({"train_batch_size": 4, "zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/nvme"}}})
-    require_supported(cfg)
+    offload = cfg.zero_optimization.offload_optimizer
+    assert (offload.device, offload.nvme_path) == ("nvme", "/tmp/nvme")
+    assert require_supported(cfg) is None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,9 +12,23 @@ from .accelerator import get_accelerator
 from .core.desync import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
 from .core.scaler import LossScaleError
-from .integrations.accelerate import Accelerator, DeepSpeedPlugin
 
 __version__ = "0.1.0"
+
+#: Names imported on first use: the Accelerate look-alike is not needed by a DeepSpeed-style script.
+_LAZY = {"Accelerator": "zeroshard.integrations.accelerate",
+         "DeepSpeedPlugin": "zeroshard.integrations.accelerate"}
+
+
+def __getattr__(name):
+    """`zeroshard.Accelerator` / `DeepSpeedPlugin`, imported when first asked for."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
 
 
 def add_config_arguments(parser):

@@ -1,20 +1,18 @@
-"""Where an Accelerator's ZeRO settings come from: the `accelerate config` YAML (read with or
-without PyYAML), DeepSpeedPlugin, Accelerator keywords and DeepSpeed JSON, with what the script
-says winning over the launcher and same-origin disagreements named; `zeroshard run
---config_file` takes ranks and rendezvous from the YAML."""
+"""Where an Accelerator's ZeRO settings come from: the `accelerate config` YAML (read with
+PyYAML, as accelerate reads it), DeepSpeedPlugin, Accelerator keywords and DeepSpeed JSON, with
+what the script says winning over the launcher and same-origin disagreements named; `zeroshard
+run --config_file` takes ranks and rendezvous from the YAML."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import yaml
 
 from tests.test_accelerate import write_yaml
 from zeroshard.cli import launch
 from zeroshard.integrations.accelerate_config import (ENV, DeepSpeedPlugin, build_deepspeed_config,
                                                       read_accelerate_config)
-from zeroshard.integrations.yaml_subset import parse_subset
 
 # What `accelerate config` writes for a 2-node DeepSpeed job with a JSON config, plus comments.
 FULL = """\
@@ -56,14 +54,11 @@ def _build(arguments=None, plugin=None, deepspeed_config=None, launcher=None) ->
                                   launcher=launcher)
 
 
-def test_subset_reader_agrees_with_pyyaml(tmp_path):
-    for text in (FULL.format(json="ds.json"), open(write_yaml(tmp_path / "a.yaml", 3, "cpu")).read()):
-        assert parse_subset(text) == yaml.safe_load(text)
-
-
-def test_subset_reader_names_the_line_it_cannot_read():
-    with pytest.raises(ValueError, match="line 2: .*install PyYAML"):
-        parse_subset("a: 1\nb: &anchor 2\n")
+def test_a_file_that_is_not_yaml_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "acc.yaml"
+    path.write_text("distributed_type: DEEPSPEED\ndeepspeed_config: [unclosed\n")
+    with pytest.raises(ValueError, match=r"acc\.yaml: not valid YAML"):
+        read_accelerate_config(str(path))
 
 
 def test_read_accelerate_config(tmp_path):

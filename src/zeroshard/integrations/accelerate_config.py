@@ -87,12 +87,15 @@ class AccelerateConfig:
 
 def read_accelerate_config(path: str) -> AccelerateConfig:
     """Read and check an `accelerate config` YAML; problems name the key and the file."""
-    from .yaml_subset import load_yaml
+    import yaml  # PyYAML, as accelerate itself reads these files
 
     try:
-        data = load_yaml(path)
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
     except OSError as err:
         raise ValueError(f"accelerate config {path}: cannot be read ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"accelerate config {path}: not valid YAML ({err})") from None
     if not isinstance(data, dict):
         raise ValueError(f"accelerate config {path}: expected a mapping of Accelerate's keys")
     out = AccelerateConfig(path=os.path.abspath(path))

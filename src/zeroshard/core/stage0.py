@@ -10,8 +10,11 @@ Communication plan, per optimizer step:
      by default) is all-reduced asynchronously while backward goes on. The copy keeps the
      collective apart from autograd, which may still write the buffer (a parameter whose
      gradient comes again, e.g. in a reentrant checkpoint, marks its unit to be reduced again
-     at the boundary). End of backward (an autograd callback): units never completed (unused
-     parameters) are launched in order, and every all-reduce is waited for and divided by N.
+     at the boundary). At most IN_FLIGHT copies are out at once: launching one more lands the
+     oldest, whose average goes back into its gradient buffer and whose copy is freed, so the
+     copies hold a few units' gradients, not a second model's worth (DDP's buckets are one).
+     End of backward (an autograd callback): units never completed (unused parameters) are
+     launched in order, and every all-reduce is waited for and divided by N.
   2. accumulation boundary: units whose buffer changed since their all-reduce was launched (or
      that no backward reduced: overlap off, world of one) are all-reduced now, in layout order.
      Ring cost either way: 2 x Psi x (N-1)/N elements of the communication dtype per rank.
@@ -29,6 +32,10 @@ import torch
 from ..comm import wait_all
 from .layout import Unit
 from .policy import StagePolicy
+
+
+#: All-reduces a backward keeps in flight (see the communication plan, step 1).
+IN_FLIGHT = 2
 
 
 class Stage0(StagePolicy):
@@ -75,13 +82,26 @@ class Stage0(StagePolicy):
         self.dirty.discard(unit.index)
         self.launched.add(unit.index)
         self.in_flight.append((unit, send, self.comm.all_reduce(send, async_op=True, unit=unit)))
+        while len(self.in_flight) > IN_FLIGHT:
+            self._land_oldest()
+
+    def _land_oldest(self) -> None:
+        unit, send, handle = self.in_flight.popleft()
+        if handle is not None:
+            handle.wait()
+        averaged = self.reduction.after(send, self.comm.world_size)
+        flat = self.flat_grads[unit.index]
+        if averaged.dtype == flat.dtype and unit.index not in self.dirty:
+            flat.copy_(averaged)  # the buffer now holds the average; the copy goes
+            self.reduced.pop(unit.index, None)
+        else:
+            # Reduced in a wider dtype (bf16/fp16 gradients), or written again since its launch
+            # (then the boundary reduces the buffer anew): keep the reduced copy beside it.
+            self.reduced[unit.index] = averaged
 
     def _land_all(self) -> None:
         while self.in_flight:
-            unit, send, handle = self.in_flight.popleft()
-            if handle is not None:
-                handle.wait()
-            self.reduced[unit.index] = self.reduction.after(send, self.comm.world_size)
+            self._land_oldest()
 
     def _end_of_backward(self) -> None:
         self._launch(force=True)

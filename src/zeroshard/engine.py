@@ -19,12 +19,12 @@ from torch import nn
 
 from .comm import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
-from .config.schema import ZeroConfig, load_config, read_raw, require_supported
+from .config.refusals import check_hpz, check_mics, require_supported
+from .config.schema import ZeroConfig, load_config, read_raw
 from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
-from .core.hpz import check_hpz
 from .core.layout import INIT_ATTR
-from .core.mics import check_mics, mics_comms
+from .core.mics import mics_comms
 from .core.no_optimizer import REFUSAL, is_placeholder, make_no_placement, placeholder_optimizer
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.reduction import Reduction

@@ -3,7 +3,7 @@
 Pydantic models of the DeepSpeed config keys that zeroshard reads, ``load_config`` (dict, path or
 None -> validated ``ZeroConfig`` with the batch-size rule resolved), errors that name the key path
 and suggest the right spelling, one-line ``ConfigWarning``s for keys DeepSpeed accepts but that do
-nothing here, and ``require_supported``, the one place that says what the engine cannot do yet.
+nothing here; what the engine refuses of a valid config is in refusals.py.
 The value types the models use (strict numbers, booleans, names) are in `fields.py`.
 """
 
@@ -24,7 +24,7 @@ from .inert import INERT_KEYS, INERT_VALUES
 from .optimizer import optimizer_param_problems
 
 __all__ = [
-    "ConfigError", "NotSupportedYetError", "ConfigWarning", "load_config", "require_supported",
+    "ConfigError", "NotSupportedYetError", "ConfigWarning", "load_config",
     "ZeroConfig", "FP16Config", "BF16Config", "TorchAutocastConfig", "OptimizerConfig",
     "SchedulerConfig",
     "ZeroOptimizationConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "AioConfig",
@@ -503,26 +503,3 @@ def load_config(config: Any = None, world_size: int = 1) -> ZeroConfig:
             _warn(template.format(full=_join(path, key), key=key, stage=stage))
     return cfg.model_copy(update={"train_batch_size": tbs, "train_micro_batch_size_per_gpu": micro,
                                   "gradient_accumulation_steps": gas})
-
-
-def require_supported(cfg: ZeroConfig) -> None:
-    """Raise NotSupportedYetError for valid settings the engine cannot run yet (edit only here)."""
-    zero = cfg.zero_optimization
-    opt = zero.offload_optimizer
-    if opt is not None and opt.device in ("cpu", "nvme") and zero.stage > 0 and opt.ratio < 1.0:
-        raise NotSupportedYetError(
-            f"not supported yet: zero_optimization.offload_optimizer.ratio={opt.ratio:g} (partial "
-            "offload); zeroshard offloads the whole optimizer step. Remove ratio (or set it to 1.0)")
-    bf16 = cfg.bf16
-    if bf16.enabled and bf16.bf16_master_weights_and_grads and zero.stage > 0:
-        if not bf16.bf16_optimizer_states:
-            raise NotSupportedYetError(
-                "not supported yet: bf16.bf16_master_weights_and_grads=true with fp32 optimizer "
-                "state (bf16_optimizer_states=false); torch's optimizers keep their state in the "
-                "master's dtype. Set bf16.bf16_optimizer_states=true as well (bf16 masters and "
-                "state: 6 bytes per parameter with Adam), or drop bf16_master_weights_and_grads")
-        if opt is not None and opt.device == "nvme":
-            raise NotSupportedYetError(
-                "not supported yet: bf16.bf16_master_weights_and_grads with "
-                "zero_optimization.offload_optimizer.device='nvme' (the swap files hold fp32); "
-                "use offload_optimizer.device 'cpu' or 'none', or drop the bf16 master keys")

@@ -37,37 +37,12 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
+from ..config.refusals import HPZ_KEY
 from .desync import watch_collectives
 from .layout import Unit
 from .quantize import WEIGHT_BLOCK
 from .quantized_comm import packed_all_gather
 from .stage3 import Stage3
-
-#: The config key, named in errors.
-HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
-
-
-def check_hpz(size: int, stage: int, world_size: int, offload_param: str = "none") -> None:
-    """Refuse hpZ settings that cannot run, naming the key and what to change (no-op at P == 1)."""
-    if size <= 1:
-        return
-    if stage != 3:
-        # DeepSpeed 0.19.8 ignores the key below stage 3 without a word; a secondary parameter
-        # shard only exists where parameters are sharded, so say so instead.
-        raise ValueError(
-            f"{HPZ_KEY}={size} needs ZeRO stage 3 (it keeps a secondary copy of the stage-3 "
-            f"parameter shards inside each host), but the stage is {stage}. Set "
-            "zero_optimization.stage=3, or remove the key (1 turns hpZ off)")
-    if world_size % size:
-        raise ValueError(
-            f"{HPZ_KEY}={size} must divide the world size {world_size} (groups of {size} "
-            "consecutive ranks, usually the ranks of one host: LOCAL_WORLD_SIZE). Use a divisor "
-            f"of {world_size}, or 1 to turn hpZ off")
-    if offload_param not in (None, "none"):
-        raise ValueError(
-            f"{HPZ_KEY}={size} with zero_optimization.offload_param.device={offload_param!r} is "
-            "not supported: the secondary shards would live on the device the offload frees. "
-            "Turn one of them off")
 
 
 def host_group_comm(comm: Comm, size: int) -> Comm:

@@ -27,30 +27,6 @@ from ..comm import Comm
 from .desync import watch_collectives
 from .stage3 import Stage3
 
-#: The config key, named in errors.
-MICS_KEY = "zero_optimization.mics_shard_size"
-
-
-def check_mics(size: int, stage: int, world_size: int, hpz: int = 1, offload: bool = False,
-               built_partitioned: bool = False, quantized: bool = False) -> None:
-    """Refuse MiCS settings that cannot run, naming the key and what to change (no-op if off)."""
-    if size <= 0:
-        return
-    if stage != 3:
-        raise ValueError(f"{MICS_KEY}={size} needs ZeRO stage 3 (it shards parameters inside "
-                         f"groups of {size} ranks), but the stage is {stage}. Set "
-                         "zero_optimization.stage=3, or remove the key (-1 turns MiCS off)")
-    if world_size % size:
-        raise ValueError(f"{MICS_KEY}={size} must divide the world size {world_size} (shard "
-                         f"groups of {size} consecutive ranks). Use a divisor of {world_size}")
-    for cond, what in ((hpz > 1, "zero_hpz_partition_size > 1 (hpZ)"),
-                       (offload, "offload_optimizer / offload_param"),
-                       (built_partitioned, "a model built under zeroshard.Init"),
-                       (quantized, "zero_quantized_weights / zero_quantized_gradients")):
-        if cond:
-            raise ValueError(f"{MICS_KEY}={size} together with {what} is not supported; "
-                             "turn one of them off")
-
 
 def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
     """(shard group, replica group) Comms of this rank, every group created on every rank in the

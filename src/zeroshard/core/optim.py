@@ -21,12 +21,12 @@ Where the masters and optimizer state live, and so how steps 2-5 run, is the pla
 from __future__ import annotations
 
 import errno
-import warnings
 
 import torch
 from torch import nn
 
 from ..comm import Comm, default_device
+from ..config.refusals import check_elementwise
 from .hostmem import host_region, to_device
 from .deepspeed_views import ParameterOffloadView
 from .hostsync import HostSyncs
@@ -44,32 +44,11 @@ from .stage3 import Stage3, Stage3Options
 
 POLICIES = {0: Stage0, 1: Stage1, 2: Stage2}
 
-# Optimizers whose update of an element depends only on that element's own history: they give the
-# same result on any partition of the flat buffers.
-ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "NAdam",
-               "RAdam", "Rprop", "ASGD", "Lion"}
-# Optimizers that need whole tensors (trust ratios, factored moments, orthogonalisation, closures).
-WHOLE_TENSOR = {"lamb", "lars", "lbfgs", "adafactor", "shampoo", "muon", "novograd", "sparseadam",
-                "onebitlamb", "fusedlamb", "adan"}
 FUSED_ON_CPU = {"Adam", "AdamW", "SGD", "Adagrad"}
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient was inf/nan outside fp16 loss scaling; the step was not applied."""
-
-
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizers whose update needs whole tensors (they would be wrong on shards)."""
-    name = type(optimizer).__name__
-    if name.lower() in WHOLE_TENSOR or isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            f"optimizer {name} needs whole parameter tensors (per-tensor norms or closures), so it "
-            "cannot step on zeroshard's flat 1/N shards. Use an elementwise optimizer (Adam, "
-            "AdamW, SGD, Adagrad, Lion, ...).")
-    if name not in ELEMENTWISE and not getattr(optimizer, "_zeroshard_elementwise", False):
-        warnings.warn(f"zeroshard: optimizer {name} is not known to be elementwise; it will step on "
-                      "flat shards. Set `_zeroshard_elementwise = True` on the class to silence this.",
-                      stacklevel=3)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

@@ -509,12 +509,10 @@ class NvmePlacement(Placement):
 def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int,
                    master_dtype: torch.dtype = torch.float32) -> Placement:
     """The placement `offload_optimizer` asks for (`spec` None or device "none": the device),
-    with masters and state in `master_dtype` (fp32, or bf16 for bf16 master weights)."""
+    with masters and state in `master_dtype` (fp32, or bf16 for bf16 master weights; NVMe keeps
+    fp32, and config/refusals.py refuses bf16 masters there before anything is built)."""
     device = spec.device if spec is not None else "none"
     if device == "nvme":
-        if master_dtype != torch.float32:
-            raise ValueError("NVMe optimizer offload keeps fp32 masters; bf16 masters need the "
-                             "device or CPU placement")
         return NvmePlacement(optimizer, units, policy, compute_dtype, spec, aio, rank)
     if device == "cpu":
         return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory,

@@ -281,7 +281,16 @@ def _hierarchical(rank, world):
     native = buffers[rank].clone()
     groups.reduce_scatter(native).wait()
     groups.destroy()
-    return {"within": bool(((full[mine] - exact).abs() <= bound).all()),
+    # Under a watched world Comm both groups are watched too, with its deadline (groups.py).
+    from zeroshard.core.desync import watch_collectives
+
+    watched = Comm()
+    watch_collectives(watched, 30.0)
+    sides = HostGroups.for_comm(watched)
+    watched_too = all(side.watch is not None and side.watch.timeout_s == 30.0
+                      and side.bytes is watched.bytes for side in (sides.intra, sides.inter))
+    sides.destroy()
+    return {"within": bool(((full[mine] - exact).abs() <= bound).all()), "watched": watched_too,
             "native_equal": torch.equal(native[mine], full[mine]),
             "error": (full[mine] - exact).abs().max().item(), "bytes": sent,
             "single_host": HostGroups.for_comm(_one_host(comm)) is None}
@@ -481,6 +490,7 @@ def test_hierarchical_reduce_scatter_sums_every_rank(results):
         assert got["hierarchical"]["within"], (rank, got["hierarchical"]["error"])
         assert got["hierarchical"]["native_equal"], rank
         assert got["hierarchical"]["single_host"]  # one host: plain reduce-scatter, no groups
+        assert got["hierarchical"]["watched"], rank  # one ledger, one watchdog deadline
 
 
 def test_qgz_cross_host_step_overlaps_the_next_units_backward(results):

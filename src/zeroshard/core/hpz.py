@@ -34,11 +34,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from ..comm import Comm
 from ..config.refusals import HPZ_KEY
-from .desync import watch_collectives
+from .groups import blocks, split
 from .layout import Unit
 from .quantize import WEIGHT_BLOCK
 from .quantized_comm import packed_all_gather
@@ -52,20 +51,12 @@ def host_group_comm(comm: Comm, size: int) -> Comm:
     whole world). The group's collectives are counted in `comm`'s ledger (its intra-/inter-host
     split from the same node layout) and watched by a desync watchdog with `comm`'s deadline.
     """
-    mine = None
-    for start in range(0, comm.world_size, size):
-        ranks = [comm._ranks[r] for r in range(start, start + size)]
-        group = dist.new_group(ranks)
-        if start <= comm.rank < start + size:
-            mine = group
-    sub = Comm(mine)
-    sub.count_in(comm)
+    sub = split(comm, blocks(comm.world_size, size))
     if sub.crossing_share > 0 and comm.rank == 0:
         warnings.warn(
             f"{HPZ_KEY}={size} makes groups that span hosts of {sub.layout.ranks_per_host} "
             "ranks (LOCAL_WORLD_SIZE), so backward all-gathers still cross hosts; set it to the "
             "ranks per host or a divisor of it", RuntimeWarning, stacklevel=2)
-    watch_collectives(sub, comm.watch.timeout_s if comm.watch is not None else 0)
     return sub
 
 

@@ -21,34 +21,16 @@ broadcast across each replica group, so every replica starts equal.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from ..comm import Comm
-from .desync import watch_collectives
+from .groups import blocks, split, strided
 from .stage3 import Stage3
 
 
 def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
     """(shard group, replica group) Comms of this rank, every group created on every rank in the
     same order; both count in `comm`'s ledger and get `comm`'s desync deadline."""
-    world, replicas = comm.world_size, comm.world_size // size
-    shard = replica = None
-    for start in range(0, world, size):
-        group = dist.new_group([comm._ranks[r] for r in range(start, start + size)])
-        if start <= comm.rank < start + size:
-            shard = group
-    for position in range(size):
-        members = [position + k * size for k in range(replicas)]
-        group = dist.new_group([comm._ranks[r] for r in members])
-        if comm.rank in members:
-            replica = group
-    out = []
-    for group in (shard, replica):
-        sub = Comm(group)
-        sub.count_in(comm)
-        watch_collectives(sub, comm.watch.timeout_s if comm.watch is not None else 0)
-        out.append(sub)
-    return out[0], out[1]
+    return split(comm, blocks(comm.world_size, size)), \
+        split(comm, strided(comm.world_size, size))
 
 
 class Stage3MiCS(Stage3):

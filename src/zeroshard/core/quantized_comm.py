@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
+from .groups import blocks, split, strided
 from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize, dequantize_into,
                        packed_size, quantize, quantize_into)
 
@@ -120,19 +121,9 @@ class HostGroups:
         self.hosts = world // ranks_per_host
         self.host, self.local = divmod(comm.rank, ranks_per_host)
         self.rank = comm.rank
-        intra = inter = None
-        # Every rank creates every group, in the same order (torch.distributed's rule).
-        for host in range(self.hosts):
-            group = dist.new_group([host * ranks_per_host + l for l in range(ranks_per_host)])
-            intra = group if host == self.host else intra
-        for local in range(ranks_per_host):
-            group = dist.new_group([h * ranks_per_host + local for h in range(self.hosts)])
-            inter = group if local == self.local else inter
-        self.intra, self.inter = Comm(intra), Comm(inter)
-        for side in (self.intra, self.inter):
-            # One ledger: engine.comm_report() shows these bytes with the rest of the step's.
-            side.bytes, side.inter_host_bytes = comm.bytes, comm.inter_host_bytes
-        # The desync watchdog watches the world's Comm only: these groups' waits are plain.
+        # One ledger and one watchdog deadline for the step's collectives (groups.py).
+        self.intra = split(comm, blocks(world, ranks_per_host))
+        self.inter = split(comm, strided(world, ranks_per_host))
 
     @classmethod
     def for_comm(cls, comm: Comm) -> "HostGroups | None":

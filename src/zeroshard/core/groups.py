@@ -1,0 +1,40 @@
+"""The one place process groups below the world are made: hpZ's host groups, MiCS's shard and
+replica groups, qgZ's intra- and inter-host groups are each a partition of a Comm's ranks.
+
+`split` creates every part's group on every rank in the same order (torch.distributed's rule:
+`new_group` is collective over the whole world) and returns this rank's part as a Comm that
+counts its bytes in the parent's ledger (with its own intra-/inter-host split) and is watched by
+the desync watchdog with the parent's deadline, like every other collective of the step.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..comm import Comm
+from .desync import watch_collectives
+
+
+def split(comm: Comm, parts: list[list[int]]) -> Comm:
+    """This rank's Comm over its part of `parts` (positions in `comm`, every rank in one part)."""
+    mine = None
+    for part in parts:
+        group = dist.new_group([comm._ranks[r] for r in part])
+        if comm.rank in part:
+            mine = group
+    if mine is None:
+        raise ValueError(f"rank {comm.rank} is in none of the groups {parts}")
+    sub = Comm(mine)
+    sub.count_in(comm)
+    watch_collectives(sub, comm.watch.timeout_s if comm.watch is not None else 0)
+    return sub
+
+
+def blocks(world: int, size: int) -> list[list[int]]:
+    """Consecutive groups of `size` ranks (the ranks of one host, a MiCS shard group)."""
+    return [list(range(start, start + size)) for start in range(0, world, size)]
+
+
+def strided(world: int, size: int) -> list[list[int]]:
+    """The ranks at the same position of each block of `size` (one per host, a MiCS replica)."""
+    return [list(range(position, world, size)) for position in range(size)]

@@ -257,7 +257,7 @@ def per_unit_guard(comm) -> None:
     import torch
     import torch.distributed as dist
 
-    from zeroshard.comm import _ALL_GATHER
+    from zeroshard.dist.comm import _ALL_GATHER
 
     group = dist.new_group(backend="gloo")
     count = [0]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 import zeroshard  # noqa: E402
-from zeroshard.comm import Comm  # noqa: E402
+from zeroshard.dist import Comm  # noqa: E402
 from tests.models import lm_loss, make_batches, make_model, micro_slice  # noqa: E402
 
 STEPS, MICRO, LR = 4, 2, 1e-2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.comm import HostLayout
+from zeroshard.dist import HostLayout
 
 # (ranks per host, ranks of the ring in ring order, hops that cross hosts / hops), by hand:
 CASES = [

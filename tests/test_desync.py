@@ -122,7 +122,7 @@ def _count_collectives(rank, world, stage, timeout):
             return fn(*args, **kwargs)
         return wrapper
 
-    import zeroshard.comm as comm_module
+    import zeroshard.dist.comm as comm_module
 
     saved = (comm_module._ALL_GATHER, comm_module._REDUCE_SCATTER)
     for name, fn in originals.items():

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.comm import Comm, HostMemoryError
+from zeroshard.dist import Comm, HostMemoryError
 from zeroshard.core import hostmem
 from tests.harness import run_world
 from tests.models import make_model

@@ -254,7 +254,7 @@ def _overlap(rank, world):
 
 def _hierarchical(rank, world):
     """qgZ's reduce-scatter of one buffer against the exact sum of every rank's buffer."""
-    from zeroshard.comm import Comm
+    from zeroshard.dist import Comm
     from zeroshard.core.quantized_comm import HostGroups
 
     comm = Comm()

@@ -2,7 +2,7 @@
 
 import argparse as _argparse
 
-from .comm import init_distributed
+from .dist import init_distributed
 from .config.schema import ConfigError, NotSupportedYetError, load_config
 from .engine import Engine, initialize, is_initialized, prepare
 from .core.gathered import GatheredParameters

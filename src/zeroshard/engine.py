@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm, default_device, init_distributed
+from .dist import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
 from .config.refusals import check_hpz, check_mics, require_supported
 from .config.schema import ZeroConfig, load_config, read_raw
@@ -29,7 +29,7 @@ from .core.no_optimizer import REFUSAL, is_placeholder, make_no_placement, place
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.reduction import Reduction
 from .core.deepspeed_views import ThroughputTimer
-from .process_group import mark_engaged
+from .dist.process_group import mark_engaged
 from .core.scaler import LossScaler
 from .core.stage3 import Stage3Options
 from .offload.optimizer import make_placement

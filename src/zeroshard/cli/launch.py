@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from . import deepspeed_flags
-from ..process_group import ENGAGED_DIR
+from ..dist.process_group import ENGAGED_DIR
 from .nodes import announce, apply_node_defaults
 
 #: The directory whose deepspeed.py makes `import deepspeed` load zeroshard in the workers.

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm, default_device
+from ..dist import Comm, default_device
 from .init_units import gather_init_units
 from .layout import INIT_ATTR, OWNER_ATTR
 

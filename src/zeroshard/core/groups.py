@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..comm import Comm
+from ..dist import Comm
 from .desync import watch_collectives
 
 

@@ -12,7 +12,7 @@ Strict host mode (ZEROSHARD_STRICT_HOST=1; tests/conftest.py turns it on for the
 then behaves like a GPU machine on the CPU:
   - `to_host` / `to_device` are real copies, also when both sides are the CPU;
   - a model handed over on the CPU is host memory (`mark_cpu_as_host`), as on a GPU machine;
-  - the collective wrapper (comm.py) refuses a host tensor on the default (NCCL-bound) group;
+  - the collective wrapper (dist/comm.py) refuses a host tensor on the default (NCCL-bound) group;
   - inside the library's host-side code (`host_region()`: the optimizer step, gradient shards
     landing in host memory, checkpoints, initialize) a dispatch mode marks what is computed from
     host memory as host memory (a norm of CPU gradient shards), and refuses an op that mixes host
@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
-from ..comm import HOST_ATTR, HostMemoryError, call_site, is_host, strict_host
+from ..dist import HOST_ATTR, HostMemoryError, call_site, is_host, strict_host
 
 __all__ = ["HostMemoryError", "byte_view", "host_copy", "host_empty", "host_region", "host_zeros",
            "is_host", "mark_cpu_as_host", "mark_host", "on_device", "return_freed_memory",
@@ -123,7 +123,7 @@ class _HostTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace != "aten":  # collectives: comm.py checks them
+        if func.namespace != "aten":  # collectives: dist/comm.py checks them
             return func(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         hosted = [is_host(t) for t in inputs]

@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from ..comm import Comm
+from ..dist import Comm
 from ..config.refusals import HPZ_KEY
 from .groups import blocks, split
 from .layout import Unit

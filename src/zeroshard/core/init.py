@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm, default_device, init_distributed
+from ..dist import Comm, default_device, init_distributed
 from ..config.schema import load_config, read_raw
 from .hostmem import return_freed_memory
 from .init_hf import attach_stage3_methods, patch_initialize_weights, pretrained_base

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm, default_device
+from ..dist import Comm, default_device
 from .hostmem import mark_cpu_as_host, return_freed_memory, to_device
 from .layout import INIT_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
 

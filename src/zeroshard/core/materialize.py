@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from ..dist import Comm
 from .hostmem import return_freed_memory
 from .init import take_full
 from .layout import INIT_ATTR, Unit, flatten

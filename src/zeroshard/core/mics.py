@@ -21,7 +21,7 @@ broadcast across each replica group, so every replica starts equal.
 
 from __future__ import annotations
 
-from ..comm import Comm
+from ..dist import Comm
 from .groups import blocks, split, strided
 from .stage3 import Stage3
 

@@ -25,7 +25,7 @@ import errno
 import torch
 from torch import nn
 
-from ..comm import Comm, default_device
+from ..dist import Comm, default_device
 from ..config.refusals import check_elementwise
 from .hostmem import host_region, to_device
 from .deepspeed_views import ParameterOffloadView

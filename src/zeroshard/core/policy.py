@@ -13,7 +13,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
-from ..comm import Comm, wait_all
+from ..dist import Comm, wait_all
 from .layout import Unit
 from .reduction import Reduction
 

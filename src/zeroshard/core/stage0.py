@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 
-from ..comm import wait_all
+from ..dist import wait_all
 from .layout import Unit
 from .policy import StagePolicy
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..comm import Comm
+from ..dist import Comm
 from .deepspeed_views import add_external_parameters_method
 from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status

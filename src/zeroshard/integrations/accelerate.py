@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from ..comm import Comm, default_device, init_distributed
+from ..dist import Comm, default_device, init_distributed
 from ..config.auto import resolve_auto
 from ..engine import Engine, initialize
 from .accelerate_config import (ENV, DeepSpeedPlugin, build_deepspeed_config,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.safetensors_read import checkpoint_entries
-from ..comm import init_distributed
+from ..dist import init_distributed
 from ..config.schema import load_config
 from ..core.hostmem import host_copy, to_device
 from ..core.init import Init

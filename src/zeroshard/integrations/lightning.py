@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_utilities.core.apply_func import apply_to_collection
 
 import zeroshard
-from zeroshard.comm import default_device
+from zeroshard.dist import default_device
 from zeroshard.config import read_raw
 
 __all__ = ["ZeroShardStrategy"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 
-from ..comm import HostLayout
+from ..dist import HostLayout
 from ..core.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, packed_size
 
 #: Bytes per element on the wire under qwZ / qgZ (int8 + one fp32 scale per block).

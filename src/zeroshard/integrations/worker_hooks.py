@@ -21,12 +21,13 @@ zeroshard, and patches only when the library concerned is imported:
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import os
 import sys
 
 #: Set by the launcher when its accelerate config says `distributed_type: DEEPSPEED`.
 ACCELERATE_DEEPSPEED = "ZEROSHARD_ACCELERATE_DEEPSPEED"
+
+
 class AccelerateDeepSpeedError(RuntimeError):
     """The launcher's accelerate config asked for DeepSpeed ZeRO and accelerate did not take it."""
 

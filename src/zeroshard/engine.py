@@ -454,9 +454,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                          functools.partial(
                              make_placement, zero.offload_optimizer if zero.stage > 0 else None,
                              cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
-                         device=device, reduction=_reduction(cfg))
-    if replicas is not None:
-        zopt.world_comm = comm  # GatheredParameters' modifier_rank numbers the world
+                         device=device, reduction=_reduction(cfg),
+                         world_comm=comm)  # GatheredParameters' modifier_rank numbers the world
     return zopt
 
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from ..dist import Comm, default_device
 from .init_units import gather_init_units
-from .layout import INIT_ATTR, OWNER_ATTR
+from .layout import INIT_ATTR
+from .owners import owner_of
 
 
 def _as_list(params) -> list[nn.Parameter]:
@@ -49,10 +50,10 @@ class GatheredParameters:
             return self
         self._pinned = {}  # id(policy) -> (policy, unit indices)
         for param in self.params:
-            owner = getattr(param, OWNER_ATTR, None)
-            policy = owner[0].policy if owner is not None else None
-            if policy is not None and hasattr(policy, "pin"):
-                self._pinned.setdefault(id(policy), (policy, set()))[1].add(owner[1].index)
+            owner = owner_of(param)
+            policy = owner.optimizer.policy if owner is not None else None
+            if policy is not None and hasattr(policy, "pin"):  # stage 3 gathers and frees units
+                self._pinned.setdefault(id(policy), (policy, set()))[1].add(owner.unit.index)
         for policy, indices in self._pinned.values():
             policy.pin(indices)
         self._init_units = gather_init_units(self.params)
@@ -93,19 +94,18 @@ class GatheredParameters:
 
 def _unit_of(param: nn.Parameter):
     """The engine unit (or construction-time unit) holding `param`, or None."""
-    owner = getattr(param, OWNER_ATTR, None)
+    owner = owner_of(param)
     if owner is not None:
-        return owner[1]
+        return owner.unit
     owner = getattr(param, INIT_ATTR, None)
     return owner[0] if owner is not None else None
 
 
 def _comm_of(param: nn.Parameter) -> Comm:
     """The engine's Comm for a managed parameter (so its comm ledger counts), else a plain one."""
-    owner = getattr(param, OWNER_ATTR, None)
+    owner = owner_of(param)
     if owner is not None:
-        # MiCS: the optimizer's Comm is its shard group; modifier_rank numbers the world.
-        return getattr(owner[0], "world_comm", None) or owner[0].comm
+        return owner.world_comm  # under MiCS the optimizer's Comm is only its shard group
     owner = getattr(param, INIT_ATTR, None)
     return owner[1] if owner is not None else Comm()
 
@@ -113,10 +113,9 @@ def _comm_of(param: nn.Parameter) -> Comm:
 def _refresh_masters(params: list[nn.Parameter]) -> None:
     """Copy changed parameters into the shards and fp32 masters of the units that hold them."""
     for param in params:
-        owner = getattr(param, OWNER_ATTR, None)
+        owner = owner_of(param)
         if owner is not None:
-            optimizer, unit = owner
-            optimizer.refresh_master(unit, param)
+            owner.optimizer.refresh_master(owner.unit, param)
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict:

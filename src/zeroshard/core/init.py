@@ -38,7 +38,8 @@ from .init_hf import attach_stage3_methods, patch_initialize_weights, pretrained
 # init_units, take_full and gather_init_units are re-exported (their users import them from here).
 from .init_units import (gather_init_units, init_units, partition_parameter,  # noqa: F401
                          take_full)
-from .layout import INIT_ATTR, OWNER_ATTR
+from .layout import INIT_ATTR
+from .owners import owner_of
 
 # Host memory freed by partitioning, in bytes, after which it is handed back to the OS.
 TRIM_BYTES = 4 << 20
@@ -252,12 +253,12 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
                              f"{tuple(param.shape)} in the model; nothing was loaded")
     done = set()
     for param in model.parameters():
-        engine_owner = getattr(param, OWNER_ATTR, None)
+        engine_owner = owner_of(param)
         init_owner = getattr(param, INIT_ATTR, None)
         if engine_owner is None and init_owner is None:
             param.data.copy_(state_dict[names[id(param)]])
             continue
-        optimizer, unit = engine_owner if engine_owner is not None else (None, init_owner[0])
+        optimizer, unit = engine_owner[:2] if engine_owner is not None else (None, init_owner[0])
         if id(unit) in done:
             continue
         done.add(id(unit))

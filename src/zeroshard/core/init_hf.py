@@ -31,7 +31,8 @@ from torch import nn
 
 from .gathered import GatheredParameters
 from .init_units import partition_new_parameters
-from .layout import INIT_ATTR, OWNER_ATTR, ZeroParamStatus, set_status
+from .layout import INIT_ATTR, ZeroParamStatus, set_status
+from .owners import is_managed, owner_of
 
 HF_FLAG = "_is_hf_initialized"
 
@@ -163,8 +164,8 @@ def attach_stage3_methods(model: nn.Module) -> None:
 def _live_budget(params) -> int | None:
     """The engine's stage3_max_live_parameters, or None before initialize()."""
     for param in params:
-        owner = getattr(param, OWNER_ATTR, None)
-        options = getattr(getattr(owner[0], "policy", None), "options", None) if owner else None
+        owner = owner_of(param)
+        options = getattr(owner.optimizer.policy, "options", None) if owner else None
         if options is not None:
             return options.max_live_parameters
     return None
@@ -175,7 +176,7 @@ def generate_gathered(model: nn.Module, generate, *args, **kwargs):
     in stage3_max_live_parameters (otherwise each step gathers unit by unit, as a forward does).
     Before initialize() there are no per-unit gathers, so the model is gathered whole."""
     params = list(model.parameters())
-    partitioned = any(hasattr(p, OWNER_ATTR) or hasattr(p, INIT_ATTR) for p in params)
+    partitioned = any(is_managed(p) or hasattr(p, INIT_ATTR) for p in params)
     budget = _live_budget(params)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # whole sizes, also released
     if not partitioned or (budget is not None and total > budget):
@@ -187,7 +188,7 @@ def generate_gathered(model: nn.Module, generate, *args, **kwargs):
 def resize_partitioned(model: nn.Module, resize, *args, **kwargs):
     """Hugging Face's `resize_token_embeddings` on gathered embeddings; the new embedding (and
     untied head) it builds are partitioned as Init would, with rank 0's values."""
-    if any(hasattr(p, OWNER_ATTR) for p in model.parameters()):
+    if any(is_managed(p) for p in model.parameters()):
         raise RuntimeError(
             "resize_token_embeddings on a model already wrapped by zeroshard.initialize(): its "
             "units are fixed by then. Resize before initialize() (as the Hugging Face Trainer "

@@ -30,8 +30,6 @@ MIN_UNIT_NUMEL = 1 << 20
 # O_DIRECT-friendly sizes for the later NVMe placement.
 ALIGN = 16
 
-#: Attribute set on every parameter a ZeroOptimizer manages: (optimizer, unit).
-OWNER_ATTR = "_zeroshard_owner"
 #: Attribute on a parameter partitioned at construction (zeroshard.Init): (its Unit, its Comm).
 INIT_ATTR = "_zeroshard_init_unit"
 

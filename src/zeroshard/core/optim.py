@@ -31,7 +31,8 @@ from .hostmem import host_region, to_device
 from .deepspeed_views import ParameterOffloadView
 from .hostsync import HostSyncs
 from .init import take_full
-from .layout import OWNER_ATTR, Unit, build_units
+from .layout import Unit, build_units
+from .owners import forget, register
 from .materialize import materialize
 from .partition import build_stage3_layout
 from .policy import StagePolicy
@@ -63,7 +64,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  scaler: LossScaler, overlap_comm: bool = True,
                  stage3: Stage3Options | None = None, persistence_threshold: int = 0,
                  unit_classes: list[str] | None = None, make_placement=None,
-                 device: torch.device | None = None, reduction: Reduction | None = None):
+                 device: torch.device | None = None, reduction: Reduction | None = None,
+                 world_comm: Comm | None = None):
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -135,9 +137,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         enable = getattr(self.placement, "enable_early", None)
         if stage >= 2 and enable is not None and enable(clip_norm, scaler.enabled):
             self.policy.early = self.placement.early
-        for unit in self.units:
-            for param in unit.params():
-                setattr(param, OWNER_ATTR, (self, unit))
+        for unit in self.units:  # GatheredParameters & co. find the owner of a parameter here
+            register(self, unit, world_comm or comm)
 
     # -- construction --------------------------------------------------------------------------
     def _reseat(self, optimizer: torch.optim.Optimizer) -> None:
@@ -326,9 +327,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy.close(keep_parameters)
         self.placement.close()
         for unit in self.units:
-            for param in unit.params():
-                if hasattr(param, OWNER_ATTR):
-                    delattr(param, OWNER_ATTR)
+            forget(unit)
 
 
 def _stage3(units, comm, overlap_comm, model, layout, options: Stage3Options) -> Stage3:

@@ -2,9 +2,9 @@
 instead of attributes written onto parameters.
 
 `GatheredParameters(params)`, `load_full_state_dict` and the Hugging Face helpers get only the
-parameters (DeepSpeed's API), so they look their owner up here. Entries hold the optimizer and the
-unit weakly (and the key is weak): an engine dropped without `destroy()` is freed as before, and
-its parameters then count as unmanaged. `world_comm` is the Comm that numbers the world for a
+parameters (DeepSpeed's API), so they look their owner up here. Entries hold the optimizer, the
+unit and the Comm weakly (and the key is weak): an engine dropped without `destroy()` is freed as
+before, and its parameters then count as unmanaged. `world_comm` is the Comm that numbers the world for a
 `modifier_rank` broadcast (under MiCS the optimizer's own Comm is only its shard group).
 """
 
@@ -30,7 +30,8 @@ class Owner(NamedTuple):
 
 def register(optimizer, unit, world_comm: Comm) -> None:
     """Record that `optimizer` manages the parameters of `unit`."""
-    entry = (weakref.ref(optimizer), weakref.ref(unit), world_comm)
+    # All weak: a Comm's watchdog keeps its last collective's unit (and so its parameters).
+    entry = (weakref.ref(optimizer), weakref.ref(unit), weakref.ref(world_comm))
     for param in unit.params():
         _OWNERS[param] = entry
 
@@ -43,7 +44,7 @@ def owner_of(param) -> Owner | None:
     optimizer, unit = entry[0](), entry[1]()
     if optimizer is None or unit is None:
         return None
-    return Owner(optimizer, unit, entry[2])
+    return Owner(optimizer, unit, entry[2]() or optimizer.comm)
 
 
 def is_managed(param) -> bool:

@@ -185,7 +185,7 @@ def run_command(argv: list[str]) -> int:
 
     os.environ.update(args.zeroshard_env)  # the workers inherit this process's environment
     with tempfile.TemporaryDirectory(prefix="zeroshard-engaged-") as engaged:
-        os.environ[ENGAGED_DIR] = engaged  # initialize() leaves a mark there (worker_hooks.py)
+        os.environ[ENGAGED_DIR] = engaged  # initialize() leaves a mark there (mark_engaged)
         try:
             run(args)
         except ChildFailedError as err:

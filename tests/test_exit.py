@@ -58,3 +58,39 @@ def test_an_uncaught_exception_leaves_the_groups_alone(tmp_path, how):
     res = _run(tmp_path, how)
     assert res.returncode == 1 and "the user's script failed" in res.stderr
     assert "at exit: initialized=True" in res.stdout, res.stdout
+
+
+PREEMPTED = textwrap.dedent("""
+    import os, signal, sys, time
+    out = sys.argv[1]
+
+    def saved(signum, frame):
+        open(os.path.join(out, "saved"), "w").close()  # a checkpoint would be written here
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, saved)
+    open(os.path.join(out, "ready"), "w").close()
+    time.sleep(120)
+""")
+
+
+def test_sigterm_to_the_launcher_exits_143_not_as_a_crash(tmp_path):
+    """A scheduler's SIGTERM reaches the workers (which save and exit 0); the launcher then exits
+    143 with one line, not 1 with a traceback, so preemption is told apart from a failure."""
+    import signal
+    import time
+
+    script = tmp_path / "preempted.py"
+    script.write_text(PREEMPTED)
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "zeroshard.cli", "run", "--nproc-per-node", "1",
+                             str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert (tmp_path / "saved").exists()

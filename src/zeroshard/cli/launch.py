@@ -30,6 +30,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -180,6 +181,7 @@ def run_command(argv: list[str]) -> int:
     args = prepare_run_args(argv)
     os.environ.update(args.node_env)  # inherited by the workers
     announce(args.node_notes, args.rdzv_endpoint or args.master_addr)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -194,6 +196,14 @@ def run_command(argv: list[str]) -> int:
                   f"(exit code {failure.exitcode}); its output is above.", file=sys.stderr)
             code = failure.exitcode
             return code if isinstance(code, int) and code > 0 else 1
+        except SignalException as err:
+            # torchrun forwarded the signal to the workers and stopped them: a preemption, not a
+            # crash. Exit as a process stopped by that signal does (SIGTERM 143, SIGINT 130), so
+            # that a scheduler can tell the two apart; a script that saves on SIGTERM has saved.
+            name = signal.Signals(err.sigval).name
+            print(f"zeroshard run: stopped by {name}, which the workers were sent too",
+                  file=sys.stderr)
+            return 128 + int(err.sigval)
         if args.zero_expected and not os.listdir(engaged):
             print(f"zeroshard run: {args.zero_expected}, but no worker built a ZeRO engine: the "
                   "job trained without ZeRO, or did nothing. Check that the script hands that "

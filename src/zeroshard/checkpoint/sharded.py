@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import warnings
 
 import torch
@@ -255,7 +256,9 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
         shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(save_dir)  # the rename survives a power loss, not only a crash
         if save_latest:
-            tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+            # A name of this writer's own: two jobs saving into one directory must not rename
+            # each other's half-written file (the last os.replace wins, whole).
+            tmp = os.path.join(save_dir, f".{LATEST}.{socket.gethostname()}.{os.getpid()}.tmp")
             with open(tmp, "w") as fh:
                 fh.write(tag)
                 fh.flush()

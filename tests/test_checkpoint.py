@@ -129,6 +129,32 @@ def _refusals(rank, world, root):
             out[case] = str(err)
     out["marker"] = os.path.exists(os.path.join(root, "pwned"))
     engine.destroy()
+    out["strict"] = _strict_loads(root, world)
+    return out
+
+
+def _strict_loads(root, world):
+    """A model lacking a saved parameter, or with a buffer the checkpoint lacks, is refused by
+    name under load_module_strict (the default) and loads what both have without it."""
+    out = {}
+    for case in ("lacking", "extra_buffer"):
+        model = make_model()
+        if case == "lacking":
+            del model.unused
+        else:
+            model.register_buffer("extra", torch.full((3,), 7.0))
+        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=_adam(model.parameters()),
+                                               config=_config(2, world, False))
+        try:
+            engine.load_checkpoint(root, tag="good")
+            out[case] = None
+        except CheckpointError as err:
+            out[case] = str(err)
+        path, _ = engine.load_checkpoint(root, tag="good", load_module_strict=False)
+        out[f"{case}_lax"] = (path is not None, engine.global_steps)
+        if case == "extra_buffer":
+            out["buffer_kept"] = model.extra.tolist()
+        engine.destroy()
     return out
 
 
@@ -278,6 +304,17 @@ def test_nothing_to_load_warns_with_the_directory(world2):
         missing, no_latest = got["warnings"]  # one each, nothing else from zeroshard
         assert os.path.join("refusals", "nothing-here") in missing and "does not exist" in missing
         assert os.path.join("refusals", "no-latest") in no_latest and "no 'latest' file" in no_latest
+
+
+def test_load_module_strict_refuses_what_only_one_side_has(world2):
+    """DeepSpeed's load_module_strict: a saved parameter the model lacks and a model buffer the
+    checkpoint lacks are named; load_module_strict=False loads the rest (the extra buffer keeps
+    its value)."""
+    for got in (r["refusals"]["strict"] for r in world2):
+        assert "unused" in got["lacking"] and "load_module_strict=False" in got["lacking"]
+        assert "extra" in got["extra_buffer"] and "buffers" in got["extra_buffer"]
+        assert got["lacking_lax"][0] and got["extra_buffer_lax"][0]
+        assert got["buffer_kept"] == [7.0, 7.0, 7.0]
 
 
 def test_an_explicit_missing_tag_is_an_error(world2):

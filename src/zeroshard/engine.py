@@ -249,12 +249,14 @@ class Engine(nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Load a checkpoint written at any world size and stage: `(path, client_state)`, or
-        `(None, None)` when `load_dir` has no `latest` and no tag was given."""
+        `(None, None)` when `load_dir` has no `latest` and no tag was given. With
+        `load_module_strict` (the default), parameters or buffers on one side only are an error."""
         from .checkpoint.sharded import load_checkpoint
 
         with self.comm.phase("load_checkpoint"):
             return load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                   load_lr_scheduler_states, load_module_only)
+                                   load_lr_scheduler_states, load_module_only,
+                                   strict=load_module_strict)
 
     def gathered_model(self):
         """Context with every parameter whole on every rank (stage 3), e.g. around a generation loop.

@@ -357,8 +357,11 @@ def _find_tag(load_dir: str, tag: str | None) -> str | None:
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False):
+                    load_module_only: bool = False, strict: bool = True):
     """Load a checkpoint saved at any world size and stage; returns `(path, client_state)`.
+    `strict`: a parameter or buffer the checkpoint has and the model lacks, or a buffer the model
+    has and the checkpoint lacks, is a CheckpointError (frozen parameters left out by
+    `exclude_frozen_parameters` keep their values either way).
 
     All or nothing: each rank verifies the files it will read (`_check`) and every rank learns
     every rank's verdict before anything is written; if any rank's check failed, every rank
@@ -368,11 +371,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     """
     with host_region():  # strict host mode: offloaded state stays apart from device memory
         return _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                     load_module_only)
+                     load_module_only, strict)
 
 
 def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-          load_module_only):
+          load_module_only, strict):
     tag = _find_tag(load_dir, tag)
     if tag is None:
         return None, None
@@ -380,7 +383,8 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
     opt, comm = engine.optimizer, engine.comm
     with_optim = load_optimizer_states and not load_module_only
     try:
-        checked, error = _check(engine, load_dir, tag, with_optim, not load_module_only), None
+        checked, error = _check(engine, load_dir, tag, with_optim, not load_module_only,
+                                strict), None
     except CheckpointError as err:
         checked, error = None, str(err)
     except Exception as err:  # noqa: BLE001 - every rank must reach the agreement regardless
@@ -412,7 +416,8 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
     return path, client_state
 
 
-def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool):
+def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
+           strict: bool = True):
     """Verify every file this rank's load reads, changing nothing; CheckpointError if one fails.
 
     Returns (meta, reader, DCP state dict of read targets, [(unit, targets)], RNG state or None,
@@ -432,6 +437,8 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool)
     reader = SafeReader(path, files)
     metadata = reader.read_metadata()  # .metadata's digest, allow-list, every file's size
     saved_keys = set(metadata.state_dict_metadata)
+    if strict:
+        _check_strict(engine, meta, saved_keys, path)
     state, loaded = _targets(engine, meta["optimizer"]["groups"], with_optim)
     absent = sorted(k for k in state if k not in saved_keys)
     if absent:
@@ -485,6 +492,27 @@ def _targets(engine, groups, with_optim: bool):
     return state, loaded
 
 
+
+
+def _check_strict(engine, meta, saved_keys: set, path: str) -> None:
+    """load_module_strict: what the checkpoint holds and the model lacks, and the model's buffers
+    the checkpoint lacks, are errors naming them (DeepSpeed's load_state_dict(strict=True))."""
+    names = {n for n, _ in engine.module.named_parameters()}
+    extra = sorted(set(meta["params"]) - names)
+    extra += sorted(k.split(".", 1)[1] for k in saved_keys
+                    if k.startswith("frozen.") and k.split(".", 1)[1] not in names)
+    buffers = {f"buffer.{n}" for n, _ in engine.module.named_buffers()}
+    saved_buffers = {k for k in saved_keys if k.startswith("buffer.")}
+    extra += sorted(k.split(".", 1)[1] for k in saved_buffers - buffers)
+    lacking = sorted(k.split(".", 1)[1] for k in buffers - saved_buffers)
+    if extra or lacking:
+        what = "; ".join(part for part in (
+            f"the checkpoint has {extra[:5]} ({len(extra)} in all), which this model lacks"
+            if extra else "",
+            f"this model has buffers {lacking[:5]} ({len(lacking)} in all) that the checkpoint "
+            "lacks" if lacking else "") if part)
+        raise CheckpointError(f"{path}: {what}. Nothing was loaded; load_checkpoint(..., "
+                              "load_module_strict=False) loads what both have")
 
 
 def _check_params(engine, meta, meta_path) -> None:

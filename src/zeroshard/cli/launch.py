@@ -37,6 +37,7 @@ from pathlib import Path
 
 from . import deepspeed_flags
 from ..dist.process_group import ENGAGED_DIR
+from ..integrations.deepspeed_alias import real_deepspeed_installed
 from .nodes import announce, apply_node_defaults
 
 #: The directory whose deepspeed.py makes `import deepspeed` load zeroshard in the workers.
@@ -235,7 +236,7 @@ def _alias_env(args: argparse.Namespace, source: str) -> dict[str, str]:
         raise UsageError("--alias-deepspeed and --no-alias-deepspeed contradict each other")
     if args.no_alias_deepspeed:
         return {}
-    if _deepspeed_installed() and not args.alias_deepspeed:
+    if real_deepspeed_installed() and not args.alias_deepspeed:
         if deepspeed_flags.imports_deepspeed(source):
             print(f"zeroshard run: DeepSpeed is installed, so 'import deepspeed' in "
                   f"{args.training_script} loads DeepSpeed itself; pass --alias-deepspeed to run "
@@ -257,15 +258,6 @@ def _deepspeed_env(args: argparse.Namespace) -> dict[str, str]:
     if str(args.nnodes).split(":")[-1] == str(args.nnodes).split(":")[0].strip():
         env["CROSS_SIZE"] = str(args.nnodes).split(":")[0]
     return env
-
-
-def _deepspeed_installed() -> bool:
-    try:
-        spec = importlib.util.find_spec("deepspeed")
-    except (ImportError, ValueError):
-        return False
-    origin = getattr(spec, "origin", None) or ""
-    return spec is not None and not origin.startswith(str(SHIM))
 
 
 def _bind_cores(args: argparse.Namespace) -> None:

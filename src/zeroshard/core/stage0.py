@@ -10,9 +10,10 @@ Communication plan, per optimizer step:
      by default) is all-reduced asynchronously while backward goes on. The copy keeps the
      collective apart from autograd, which may still write the buffer (a parameter whose
      gradient comes again, e.g. in a reentrant checkpoint, marks its unit to be reduced again
-     at the boundary). At most IN_FLIGHT copies are out at once: launching one more lands the
-     oldest, whose average goes back into its gradient buffer and whose copy is freed, so the
-     copies hold a few units' gradients, not a second model's worth (DDP's buckets are one).
+     at the boundary). At most MAX_IN_FLIGHT copies are out at once (policy.py, as at stages
+     1-2): launching one more lands the oldest, whose average goes back into its gradient buffer
+     and whose copy is freed, so the copies hold a unit or two of gradients, not a second
+     model's worth (DDP's buckets are one).
      End of backward (an autograd callback): units never completed (unused parameters) are
      launched in order, and every all-reduce is waited for and divided by N.
   2. accumulation boundary: units whose buffer changed since their all-reduce was launched (or
@@ -31,11 +32,7 @@ import torch
 
 from ..dist import wait_all
 from .layout import Unit
-from .policy import StagePolicy
-
-
-#: All-reduces a backward keeps in flight (see the communication plan, step 1).
-IN_FLIGHT = 2
+from .policy import MAX_IN_FLIGHT, StagePolicy
 
 
 class Stage0(StagePolicy):
@@ -82,7 +79,7 @@ class Stage0(StagePolicy):
         self.dirty.discard(unit.index)
         self.launched.add(unit.index)
         self.in_flight.append((unit, send, self.comm.all_reduce(send, async_op=True, unit=unit)))
-        while len(self.in_flight) > IN_FLIGHT:
+        while len(self.in_flight) > MAX_IN_FLIGHT:
             self._land_oldest()
 
     def _land_oldest(self) -> None:

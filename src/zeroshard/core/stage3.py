@@ -221,7 +221,7 @@ class Stage3(Stage2):
         handle = self.pending.pop(index, None)
         if handle is not None:
             handle.wait()  # never free storage a collective is still writing
-        unit.release(None if detach else self.gathered_pool, detach=detach)
+        unit.release(self.gathered_pool, detach=detach)
         self.lossy.discard(index)
         self.packed.pop(index, None)
         self.live_numel -= unit.padded_numel

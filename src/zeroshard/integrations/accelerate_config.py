@@ -154,15 +154,13 @@ def launch_env(cfg: AccelerateConfig) -> dict[str, str]:
     env = {"ACCELERATE_USE_DEEPSPEED": "true",
            "ACCELERATE_MIXED_PRECISION": cfg.mixed_precision or "no"}
     given = list(cfg.deepspeed) + (["mixed_precision"] if cfg.mixed_precision else [])
-    env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(given).lower()
+    env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(given)
     for key, name in LAUNCH_ENV.items():
         value = cfg.deepspeed.get(key)
         if value is None:
             continue
         if key == "deepspeed_config_file":
-            value = os.path.abspath(os.path.join(os.path.dirname(cfg.path), str(value))) \
-                if not os.path.isabs(str(value)) and not os.path.exists(str(value)) else \
-                os.path.abspath(str(value))
+            value = os.path.abspath(str(value))  # as accelerate reads it: from the working dir
         env[name] = str(value).lower() if isinstance(value, bool) else str(value)
     if cfg.debug:
         env["ACCELERATE_DEBUG_MODE"] = "true"

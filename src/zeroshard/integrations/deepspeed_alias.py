@@ -174,6 +174,17 @@ def install() -> types.ModuleType:
     return module
 
 
+def real_deepspeed_installed() -> bool:
+    """Whether `import deepspeed` would load DeepSpeed itself (not this alias or its shim)."""
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) or ""
+    return spec is not None and not isinstance(spec.loader, _Loader) and \
+        "_deepspeed_shim" not in origin
+
+
 def installed() -> bool:
     """Whether `deepspeed` names zeroshard in this process."""
     return isinstance(sys.modules.get("deepspeed"), DeepSpeedModule)

@@ -37,7 +37,6 @@ engine is built by the first train() and kept (save_model, evaluate, a later tra
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import math
 import os
@@ -119,15 +118,10 @@ def zero3_announced(config: dict, enabled: bool = True):
         return
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from .deepspeed_alias import install, installed
+    from .deepspeed_alias import install, installed, real_deepspeed_installed
 
-    if not installed():
-        try:
-            found = importlib.util.find_spec("deepspeed") is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            install()
+    if not installed() and not real_deepspeed_installed():
+        install()
     before = hf_deepspeed._hf_deepspeed_config_weak_ref
     before = before() if before is not None else None
     flag = HfZero3Config(config)

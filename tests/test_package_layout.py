@@ -19,7 +19,7 @@ LAYERS = {
     "dist": 0, "config": 0,
     "core": 1,
     "offload": 2, "checkpoint": 2, "sizing": 2,
-    "engine": 3, "schedulers": 3,
+    "engine": 3, "schedulers": 3, "build": 3,
     "cli": 4, "integrations": 4, "__init__": 4, "zero": 4, "ops": 4, "utils": 4,
     "estimate": 4, "consolidate": 4, "accelerator": 4,
     "comm": 4,  # DeepSpeed's deepspeed.comm names; zeroshard's own code imports dist

@@ -4,7 +4,8 @@ import argparse as _argparse
 
 from .dist import init_distributed
 from .config.schema import ConfigError, NotSupportedYetError, load_config
-from .engine import Engine, initialize, is_initialized, prepare
+from .build import initialize, is_initialized, prepare
+from .engine import Engine
 from .core.gathered import GatheredParameters
 from .core.init import Init, load_full_state_dict
 from . import accelerator, comm, ops, utils, zero

@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from ..dist import Comm, default_device, init_distributed
 from ..config.auto import resolve_auto
-from ..engine import Engine, initialize
+from ..build import initialize
+from ..engine import Engine
 from .accelerate_config import (ENV, DeepSpeedPlugin, build_deepspeed_config,
                                 read_accelerate_config, zero3_init_flag)
 from .accelerate_data import PreparedDataLoader, SkipBatches

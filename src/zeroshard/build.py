@@ -1,0 +1,279 @@
+"""The one builder: `initialize()` and `prepare()` turn a model, an optimizer and a config into an
+`Engine` (engine.py) over a `ZeroOptimizer` (core/optim.py).
+
+Build order, each step handed what the previous ones made (no object is rewired afterwards):
+  1. the process group and the world's `Comm` (dist/), the config validated and its "auto" values
+     resolved (config/), refusals checked (config/refusals.py), the desync watchdog armed;
+  2. the torch optimizer (the user's instance, a factory, or the config's `optimizer` block);
+  3. the `ZeroOptimizer`: units, the stage policy and the placement of masters and optimizer state
+     (core/optim.py, from the stage and placement specs below);
+  4. frozen parameters and buffers moved to the device, rank 0's copies broadcast;
+  5. the LR scheduler, then the `Engine` around all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dist import Comm, default_device, init_distributed
+from .config.auto import resolve_auto
+from .config.refusals import check_hpz, check_mics, require_supported
+from .config.schema import ZeroConfig, load_config, read_raw
+from .core.desync import watch_collectives
+from .core.hostmem import host_region, mark_cpu_as_host, to_device
+from .core.layout import INIT_ATTR
+from .core.mics import mics_comms
+from .core.no_optimizer import is_placeholder, make_no_placement, placeholder_optimizer
+from .core.optim import ZeroOptimizer, build_optimizer
+from .core.reduction import Reduction
+from .core.scaler import LossScaler
+from .core.stage3 import Stage3Options
+from .dist.process_group import mark_engaged
+from .engine import Engine, _compute_dtype
+from .offload.optimizer import make_placement
+from .offload.param import make_store
+
+
+def _master_dtype(config: ZeroConfig) -> torch.dtype:
+    """bf16 for DeepSpeed's bf16_master_weights_and_grads (with bf16_optimizer_states), else fp32."""
+    bf16 = config.bf16
+    if bf16.enabled and bf16.bf16_master_weights_and_grads and config.zero_optimization.stage > 0:
+        return torch.bfloat16
+    return torch.float32
+
+
+def _resolve_config(config, args, config_params):
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    return config
+
+
+def _make_optimizer(optimizer, model_parameters, module: nn.Module, cfg: ZeroConfig):
+    params = list(model_parameters) if model_parameters is not None else \
+        [p for p in module.parameters() if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            warnings.warn("zeroshard: both an optimizer instance and a config 'optimizer' block "
+                          "were given; the instance is used and the config block ignored",
+                          stacklevel=4)
+        return optimizer
+    if callable(optimizer):
+        return optimizer(params)
+    if cfg.optimizer is not None:
+        return build_optimizer(cfg.optimizer, params)
+    return placeholder_optimizer(params)  # an engine for inference only (core/no_optimizer.py)
+
+
+def _check_owned(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    owned = {id(p) for p in module.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in owned:
+                raise ValueError(f"optimizer param group {g}, parameter {i} (shape "
+                                 f"{tuple(p.shape)}) is not a parameter of the model; build the "
+                                 "optimizer from model.parameters()")
+
+
+def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, args=None,
+           config_params=None, loader_batch: int | None = None, known: dict | None = None):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    init_distributed()
+    comm = Comm()
+    source = _resolve_config(config, args, config_params)
+    if not isinstance(source, ZeroConfig):
+        source = resolve_auto(read_raw(source), model=model, world_size=comm.world_size,
+                              loader_batch=loader_batch, known=known)
+    cfg = source if isinstance(source, ZeroConfig) else load_config(source, comm.world_size)
+    require_supported(cfg)
+    watch_collectives(comm, cfg.zero_optimization.zeroshard_desync_timeout)
+    device = default_device()
+    dtype = _compute_dtype(cfg)
+    torch_opt = _make_optimizer(optimizer, model_parameters, model, cfg)
+    _check_owned(torch_opt, model)
+    with host_region():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            mark_cpu_as_host(tensor)  # strict mode: a model built on the CPU is in host memory
+        zopt = _make_zero_optimizer(model, torch_opt, comm, cfg, dtype, device)
+        # The units are on the device now (stage 3: one at a time, never the whole model); the
+        # rest follows: frozen parameters and buffers, in the compute dtype.
+        _move_rest(model, zopt, device, dtype)
+        _broadcast_from_rank0(model, zopt, comm)
+    scheduler = _make_scheduler(lr_scheduler, cfg, zopt)
+    engine = Engine(model, zopt, cfg, comm, scheduler, device)
+    return engine, zopt, scheduler, cfg
+
+
+def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfig, dtype,
+                         device: torch.device) -> ZeroOptimizer:
+    zero = cfg.zero_optimization
+    check_hpz(zero.zero_hpz_partition_size, zero.stage, comm.world_size,
+              zero.offload_param.device if zero.offload_param is not None else "none")
+    opt_comm, replicas = _mics_groups(model, comm, cfg)
+    scaler = LossScaler.from_config(cfg.fp16)
+    zopt = ZeroOptimizer(model, torch_opt, opt_comm, stage=zero.stage,
+                         bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
+                         clip_norm=cfg.gradient_clipping, scaler=scaler,
+                         overlap_comm=zero.overlap_comm is not False,
+                         stage3=Stage3Options(
+                             prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+                             max_live_parameters=zero.stage3_max_live_parameters,
+                             max_reuse_distance=zero.stage3_max_reuse_distance,
+                             quantized_weights=zero.zero_quantized_weights,
+                             quantized_gradients=zero.zero_quantized_gradients,
+                             make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
+                                                          rank=comm.rank),
+                             hpz_partition_size=zero.zero_hpz_partition_size,
+                             mics_replicas=replicas),
+                         persistence_threshold=zero.stage3_param_persistence_threshold,
+                         unit_classes=zero.zeroshard_unit_classes,
+                         make_placement=make_no_placement if is_placeholder(torch_opt) else
+                         functools.partial(
+                             make_placement, zero.offload_optimizer if zero.stage > 0 else None,
+                             cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
+                         device=device, reduction=_reduction(cfg),
+                         world_comm=comm)  # GatheredParameters' modifier_rank numbers the world
+    return zopt
+
+
+def _mics_groups(model: nn.Module, comm: Comm, cfg: ZeroConfig) -> tuple[Comm, Comm | None]:
+    """The optimizer's Comm and replica Comm: MiCS shard and replica groups when mics_shard_size
+    is set (core/mics.py), else the world's Comm and None."""
+    zero = cfg.zero_optimization
+    if zero.mics_shard_size <= 0:
+        return comm, None
+    offload = any(o is not None and o.device != "none"
+                  for o in (zero.offload_optimizer, zero.offload_param))
+    check_mics(zero.mics_shard_size, zero.stage, comm.world_size, zero.zero_hpz_partition_size,
+               offload, any(hasattr(p, INIT_ATTR) for p in model.parameters()),
+               zero.zero_quantized_weights or zero.zero_quantized_gradients)
+    return mics_comms(comm, zero.mics_shard_size)
+
+
+def _reduction(cfg: ZeroConfig) -> Reduction:
+    """The top-level reduction keys (`communication_data_type`, `prescale_gradients`,
+    `gradient_predivide_factor`), with DeepSpeed's meaning (core/reduction.py)."""
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    return Reduction(dtype=dtypes.get(cfg.communication_data_type),
+                     prescale=cfg.prescale_gradients, predivide=cfg.gradient_predivide_factor)
+
+
+def _move_rest(model: nn.Module, zopt: ZeroOptimizer, device: torch.device, dtype) -> None:
+    """Frozen parameters and buffers (what the units do not hold) to the compute device, floating
+    ones in the compute dtype; a tensor registered twice stays one tensor."""
+    in_units = {id(p) for unit in zopt.units for p in unit.params()}
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        out = to_device(tensor, device)
+        return out.to(dtype) if dtype is not None and out.is_floating_point() else out
+
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, placed)
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and id(param) not in in_units and id(param) not in done:
+                done[id(param)] = (param, param)
+                param.data = place(param.data)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                if id(buf) not in done:
+                    done[id(buf)] = (buf, place(buf))
+                module._buffers[name] = done[id(buf)][1]
+
+
+def _broadcast_from_rank0(model: nn.Module, zopt: ZeroOptimizer, comm: Comm) -> None:
+    """Give every rank rank 0's frozen parameters and buffers (the units were synced already)."""
+    if comm.world_size == 1:
+        return
+    in_units = {id(p) for unit in zopt.units for p in unit.params()}
+    rest = [p.data for p in model.parameters() if id(p) not in in_units] + list(model.buffers())
+    for tensor in rest:
+        comm.broadcast(tensor, src=0)
+
+
+def _make_scheduler(lr_scheduler, cfg: ZeroConfig, zopt: ZeroOptimizer):
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(zopt)
+        return lr_scheduler
+    if cfg.scheduler is not None:
+        from .schedulers import build_scheduler
+
+        return build_scheduler({"type": cfg.scheduler.type, "params": dict(cfg.scheduler.params)}, zopt)
+    return None
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, config_params=None):
+    """Wrap `model` for ZeRO training: returns `(engine, optimizer, dataloader, lr_scheduler)`."""
+    if model is None:
+        raise ValueError("initialize() needs model=<torch.nn.Module>")
+    if mpu is not None:
+        raise ValueError("model parallelism (mpu=) is not supported by zeroshard; pass mpu=None")
+    if args is not None and getattr(args, "local_rank", 0) in (None, -1):
+        args.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # as DeepSpeed fills it in
+    loader_batch = None
+    from torch.utils.data import DataLoader
+
+    if isinstance(training_data, DataLoader):  # its batch size answers an "auto" micro batch
+        loader_batch, training_data = training_data.batch_size, training_data.dataset
+    engine, zopt, scheduler, cfg = _build(model, optimizer, model_parameters, config,
+                                          lr_scheduler, args, config_params, loader_batch)
+    mark_engaged()
+    loader = None
+    if training_data is not None:
+        loader = make_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, engine.comm,
+                                 collate_fn)
+        engine.training_dataloader = loader  # its sampler's epoch goes into checkpoints
+    return engine, zopt, loader, scheduler
+
+
+def make_dataloader(dataset, micro_batch: int, comm: Comm, collate_fn=None):
+    """A DataLoader over this rank's share of `dataset` at the micro batch size."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(dataset, num_replicas=comm.world_size, rank=comm.rank)
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn)
+
+
+def prepare(model: nn.Module, optimizer, config=None):
+    """Shard `optimizer` over `model` for a plain `loss.backward(); opt.step(); opt.zero_grad()` loop.
+
+    Returns `(model, optimizer)`: the same module (its parameters now live in zeroshard's flat
+    buffers) and a `ZeroOptimizer` whose `.engine` gives `memory_report()` / `comm_report()`.
+    Every `optimizer.step()` steps: accumulate by calling backward several times in between.
+    """
+    cfg_source = config if config is not None else {}
+    if isinstance(cfg_source, dict) and "gradient_accumulation_steps" in cfg_source \
+            and cfg_source["gradient_accumulation_steps"] != 1:
+        warnings.warn("prepare(): gradient_accumulation_steps is ignored; every optimizer.step() "
+                      "steps, so accumulate by calling backward() several times before it",
+                      stacklevel=2)
+        cfg_source = {k: v for k, v in cfg_source.items() if k != "gradient_accumulation_steps"}
+    init_distributed()
+    cfg = load_config(cfg_source, world_size=dist.get_world_size())
+    if optimizer is None and cfg.optimizer is None:
+        raise ValueError("prepare() needs an optimizer: pass a torch optimizer, or add an "
+                         "\"optimizer\" block to the config (for inference only, use "
+                         "zeroshard.initialize(model=..., config=...) without one)")
+    if cfg.fp16.enabled:
+        raise ValueError("prepare() cannot do fp16: plain loss.backward() skips loss scaling. "
+                         "Use bf16 (\"bf16\": {\"enabled\": true}) or zeroshard.initialize() and "
+                         "engine.backward(loss)")
+    engine, zopt, _, _ = _build(model, optimizer, None, cfg, None)
+    zopt.engine = engine
+    return model, zopt
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()

@@ -423,10 +423,10 @@ def test_unit_classes():
 # Warnings for keys that do nothing here
 
 INERT = [
-    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
-    ({"wandb": {"enabled": True}}, "wandb"),
-    ({"tensorboard": {"enabled": True}}, "tensorboard"),
-    ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
+    ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+    ({"elasticity": {"enabled": True}}, "elasticity"),
+    ({"pipeline": {"stages": "auto"}}, "pipeline"),
+    ({"amp": {"enabled": True}}, "amp"),
     ({"checkpoint": {"tag_validation": "Warn"}}, "checkpoint"),
     ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
@@ -481,7 +481,7 @@ def test_notice_is_printed_once_as_one_line_by_rank_0_only():
 
     code = ("import zeroshard\n"
             "for _ in range(2):\n"
-            "    zeroshard.load_config({'train_batch_size': 2, 'tensorboard': {'enabled': True}})\n")
+            "    zeroshard.load_config({'train_batch_size': 2, 'elasticity': {'enabled': True}})\n")
     printed = {}
     for rank in ("0", "1"):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
@@ -490,7 +490,7 @@ def test_notice_is_printed_once_as_one_line_by_rank_0_only():
         assert res.returncode == 0, res.stderr
         printed[rank] = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(printed["0"]) == 1, printed["0"]
-    assert "ConfigWarning: tensorboard has no effect" in printed["0"][0]
+    assert "ConfigWarning: elasticity has no effect" in printed["0"][0]
     assert printed["1"] == []
 
 
@@ -504,8 +504,8 @@ def test_clean_config_does_not_warn():
 
 
 def test_inert_top_level_key_is_dropped():
-    cfg = load_quietly({"train_batch_size": 4, "wandb": {"enabled": True}})
-    assert "wandb" not in cfg.to_dict()
+    cfg = load_quietly({"train_batch_size": 4, "elasticity": {"enabled": True}})
+    assert "elasticity" not in cfg.to_dict()
 
 
 def test_stage0_offload_is_ignored_not_refused():

@@ -19,6 +19,8 @@ LAYERS = {
     "dist": 0, "config": 0,
     "core": 1,
     "offload": 2, "checkpoint": 2, "sizing": 2,
+    "activations": 2,  # deepspeed.checkpointing on torch.utils.checkpoint
+    "monitor": 3,  # what the engine reports (writers, throughput, timers); core must not import it
     "engine": 3, "schedulers": 3, "build": 3,
     "cli": 4, "integrations": 4, "__init__": 4, "zero": 4, "ops": 4, "utils": 4,
     "estimate": 4, "consolidate": 4, "accelerator": 4,

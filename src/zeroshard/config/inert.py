@@ -11,8 +11,7 @@ _NO_EFFECT = "{full} has no effect in zeroshard; ignored"
 # Keys that are not part of our schema at all; they are dropped after the warning.
 INERT_KEYS: dict[str, dict[str, str]] = {
     "": {k: _NO_EFFECT for k in (
-        "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-        "comet", "comms_logger", "amp", "sparse_attention", "pipeline", "elasticity",
+        "amp", "sparse_attention", "pipeline", "elasticity",
         "data_efficiency", "curriculum_learning", "compression_training", "autotuning",
         "checkpoint", "data_types", "dump_state", "sparse_gradients", "memory_breakdown",
         "disable_allgather", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop",

@@ -21,6 +21,9 @@ from .fields import (AnyInt, Bool, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, D
                      NonNegInt, Period, PosFloat, PosInt, Str, _DTYPE, _check_names, _choice, _float,
                      _int, _match_name, _show)
 from .inert import INERT_KEYS, INERT_VALUES
+from .monitoring import (SECTIONS as _WATCH_SECTIONS, ActivationCheckpointingConfig, CometConfig,
+                         CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig,
+                         TensorBoardConfig, WandbConfig)
 from .optimizer import optimizer_param_problems
 
 __all__ = [
@@ -213,6 +216,15 @@ class ZeroConfig(_Block):
     aio: AioConfig = Field(default_factory=AioConfig)
     steps_per_print: Period = 10
     wall_clock_breakdown: Bool = False
+    # Watching a run (zeroshard.monitor) and deepspeed.checkpointing (zeroshard.activations).
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig)
     # The gradient reduction (core/reduction.py), with DeepSpeed's meaning; unset
     # communication_data_type sums fp16/bf16 gradients in fp32 (DeepSpeed: in the compute dtype).
     prescale_gradients: Bool = False
@@ -254,6 +266,7 @@ _SCHEMA: dict[str, type[BaseModel]] = {
     "scheduler": SchedulerConfig, "zero_optimization": ZeroOptimizationConfig, "aio": AioConfig,
     "zero_optimization.offload_optimizer": OffloadOptimizerConfig,
     "zero_optimization.offload_param": OffloadParamConfig,
+    **_WATCH_SECTIONS,
 }
 
 # Other spellings DeepSpeed accepts for the same setting (alias -> our field).

@@ -53,6 +53,11 @@ ALIASES = {
     "deepspeed.runtime.zero.partition_parameters": "zeroshard.zero",
     "deepspeed.runtime.lr_schedules": "zeroshard.schedulers",
     "deepspeed.runtime.engine": "zeroshard.engine",
+    "deepspeed.checkpointing": "zeroshard.activations.checkpointing",
+    "deepspeed.runtime.activation_checkpointing": "zeroshard.activations",
+    "deepspeed.runtime.activation_checkpointing.checkpointing": "zeroshard.activations.checkpointing",
+    "deepspeed.monitor": "zeroshard.monitor",
+    "deepspeed.monitor.monitor": "zeroshard.monitor.writers",
 }
 #: DeepSpeed names with another spelling here: {module: {name: (zeroshard module, attribute)}}.
 RENAMED = {
@@ -62,10 +67,10 @@ RENAMED = {
 #: What the most used unsupported areas are, for the error message.
 AREAS = {"moe": "mixture of experts", "pipe": "pipeline parallelism",
          "inference": "DeepSpeed's inference engine", "init_inference": "DeepSpeed's inference engine",
-         "checkpointing": "DeepSpeed's activation checkpointing; use torch.utils.checkpoint",
          "sequence": "sequence parallelism", "compression": "model compression",
          "module_inject": "kernel injection", "launcher": "DeepSpeed's launcher; use zeroshard run",
-         "autotuning": "autotuning", "monitor": "monitoring backends", "profiling": "profilers"}
+         "autotuning": "autotuning", "profiling": "DeepSpeed's profiler classes; set the config's "
+         "flops_profiler section instead"}
 
 
 class UnsupportedError(NotImplementedError):

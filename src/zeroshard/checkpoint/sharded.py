@@ -1,7 +1,8 @@
 """Sharded checkpoints that any world size and any stage can load.
 
-Layout of `save_dir/<tag>/` (written into `save_dir/.<tag>.partial/`, renamed into place when
-every rank is done; `save_dir/latest` is replaced last, atomically):
+Layout of `save_dir/<tag>/` (written into `save_dir/.<tag>.<host>.<pid>.partial/`, renamed into
+place when every rank is done; `save_dir/latest` is replaced last, atomically; see `directory.py`
+for the directory's lock and the temporary names):
 
 - DCP files (`.metadata`, `__<rank>_0.distcp`): per parameter, the fp32 values (`model.<name>`)
   and each optimizer state tensor (`optim.<key>.<name>`), as 1-D fragments of the flattened
@@ -23,27 +24,40 @@ the ranks exchange their verdicts. Only when every rank's checks passed is anyth
 parameters, optimizer state, counters, LR scheduler, RNG. Otherwise every rank raises
 `CheckpointError` naming the file and the rank that found the problem. Checkpoints saved before
 digests were recorded load with the size checks alone.
+
+Saving is all or nothing too. Every rank's outcome of every file it writes (DCP's data and
+metadata, its RNG file; rank 0's client state, config, `zeroshard.json`, `latest`) reaches every
+rank before `latest` moves: with the digests, then in one last exchange. A failure on any rank is
+a `CheckpointError` on every rank naming the rank, the file and the cause (a full disk says so,
+with the bytes free and needed); the partial directory is removed, and the previous checkpoint and
+`latest` are left as they were. Small files are serialized in memory and written with plain I/O,
+so that a full disk reads as one (torch's own file writer says `unexpected pos`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import shutil
-import socket
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
 from ..core.mics import replica_targets
+from .directory import (describe_os_error, find_os_error, own_directory, partial_name,
+                        remove_leftovers, write_file, writer_id)
 from .run_state import check_client_state, jsonable, read_rng, rng_state, set_rng_state, \
     scheduler_state
 from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
@@ -171,21 +185,42 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
 def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> str:
     opt, comm = engine.optimizer, engine.comm
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    save_dir = os.path.normpath(os.fspath(save_dir))
     try:
         client_bytes, client_error = check_client_state(client_state if client_state is not None
                                                          else {}), None
     except ValueError as err:
         client_bytes, client_error = b"", str(err)
-    _agree_on_target(comm, os.path.normpath(os.fspath(save_dir)), tag, client_error)
-    if not tag or os.sep in tag or tag.startswith("."):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name")
+    tag_error = None if tag and os.sep not in tag and not tag.startswith(".") else \
+        f"checkpoint tag {tag!r} must be a plain directory name"
+    # Rank 0 owns the directory for this job, clears what dead saves left there, and makes this
+    # save's own partial directory, all before the ranks first compare notes.
+    writer, setup_error = writer_id(), None
+    if comm.rank == 0 and client_error is None and tag_error is None:
+        setup_error = own_directory(save_dir)
+        if setup_error is None:
+            remove_leftovers(save_dir)
+            try:
+                os.makedirs(os.path.join(save_dir, partial_name(tag, writer)))
+            except OSError as err:
+                setup_error = describe_os_error(os.path.join(save_dir, partial_name(tag, writer)),
+                                                err, "create")
+    views = _agree_on_target(comm, save_dir, tag, client_error, tag_error, setup_error, writer)
     final = os.path.join(save_dir, tag)
-    partial = os.path.join(save_dir, f".{tag}.partial")
-    if comm.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
-        os.makedirs(partial)
-    comm.barrier()
+    partial = os.path.join(save_dir, partial_name(tag, views[0][-1]))  # rank 0's name
+    try:
+        return _write(engine, save_dir, tag, partial, final, client_bytes, save_latest,
+                      exclude_frozen)
+    except BaseException:
+        if comm.rank == 0:  # every rank is past its writes when an agreed error gets here
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exclude_frozen):
+    """Write every file into `partial`, agree, then move it into place and point `latest` at it;
+    every failure is one CheckpointError on every rank (module docstring)."""
+    opt, comm = engine.optimizer, engine.comm
     state: dict[str, object] = {}
     world, rank = comm.world_size, comm.rank
     groups = _optimizer_meta(opt)
@@ -206,29 +241,46 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
             state[f"frozen.{name}"] = param.detach()
     for name, buf in engine.module.named_buffers():
         state[f"buffer.{name}"] = buf.detach()
-    with quiet_dcp():
-        saved = dcp.save(state, storage_writer=FileSystemWriter(partial))
+    needed = _bytes_to_write(state, rank)
+    try:
+        with quiet_dcp():
+            saved = dcp.save(state, storage_writer=FileSystemWriter(partial))
+    except CheckpointException as err:
+        # DCP hands every rank the same exception (a BaseException, with each failed rank's own).
+        mine = err.failures.get(dist.get_rank()) if dist.is_initialized() else None
+        agree(comm, None if mine is None else _failure(partial, mine[0], "write the data of",
+                                                       needed), prefix="save_checkpoint: ")
+        raise CheckpointError(f"save_checkpoint: writing {partial} failed: "
+                              f"{str(err).splitlines()[0][:300]}") from None
     rng_name = f"rng-rank{rank}.pt"
-    torch.save(rng_state(), os.path.join(partial, rng_name))
-    storage = getattr(saved, "storage_data", None)
-    if storage is None:  # torch 2.11 returns the metadata without it: read what rank 0 wrote
-        storage = FileSystemReader(partial).read_metadata().storage_data
-    written: dict[str, list] = {}
-    for info in storage.values():
-        written.setdefault(str(info.relative_path), []).append((info.offset, info.length))
-    data = {name: ranges for i, (name, ranges) in enumerate(sorted(written.items()))
-            if owner(name, i, world) == rank}
-    mine = [rng_name]
-    if rank == 0:
-        with open(os.path.join(partial, CLIENT), "wb") as fh:
-            fh.write(client_bytes)
-        config = getattr(engine.module, "config", None)
-        if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
-            config.to_json_file(os.path.join(partial, CONFIG))
-            mine.append(CONFIG)
-        mine += [".metadata", CLIENT]
+    mine, error, data = [rng_name], None, {}
+    current = os.path.join(partial, rng_name)
+    try:
+        write_file(current, _serialized(rng_state()))
+        storage = getattr(saved, "storage_data", None)
+        if storage is None:  # torch 2.11 returns the metadata without it: read what rank 0 wrote
+            current = os.path.join(partial, ".metadata")
+            storage = FileSystemReader(partial).read_metadata().storage_data
+        written: dict[str, list] = {}
+        for info in storage.values():
+            written.setdefault(str(info.relative_path), []).append((info.offset, info.length))
+        data = {name: ranges for i, (name, ranges) in enumerate(sorted(written.items()))
+                if owner(name, i, world) == rank}
+        if rank == 0:
+            current = os.path.join(partial, CLIENT)
+            write_file(current, client_bytes)
+            config = getattr(engine.module, "config", None)
+            if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
+                current = os.path.join(partial, CONFIG)
+                config.to_json_file(current)
+                mine.append(CONFIG)
+            mine += [".metadata", CLIENT]
+    except Exception as err:  # noqa: BLE001 - every rank must reach the agreement regardless
+        error = _failure(current, err, "write", needed)
     # Each rank hashes what it has just written (still in its page cache); rank 0 records all.
-    files = gather_digests(comm, partial, mine, data)
+    # Every rank's outcome so far travels with the digests: one failure fails the save everywhere.
+    files = gather_digests(comm, partial, mine, data, error, prefix="save_checkpoint: ")
+    error = None
     if rank == 0:
         meta = {
             "format": FORMAT, "tag": tag, "world_size": world,
@@ -244,36 +296,93 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
             "sampler_epoch": getattr(_sampler(engine), "epoch", None),
             "files": dict(sorted(files.items())),
         }
-        with open(os.path.join(partial, META), "w") as fh:
-            json.dump(seal(meta), fh, indent=1)
-    comm.barrier()  # every rank's files are in place
-    if rank == 0:
-        old = os.path.join(save_dir, f".{tag}.old")
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(save_dir)  # the rename survives a power loss, not only a crash
-        if save_latest:
-            # A name of this writer's own: two jobs saving into one directory must not rename
-            # each other's half-written file (the last os.replace wins, whole).
-            tmp = os.path.join(save_dir, f".{LATEST}.{socket.gethostname()}.{os.getpid()}.tmp")
-            with open(tmp, "w") as fh:
-                fh.write(tag)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, os.path.join(save_dir, LATEST))
-            _fsync_dir(save_dir)
-    comm.barrier()
+        error = _finish(save_dir, tag, partial, final,
+                        json.dumps(seal(meta), indent=1).encode(), save_latest)
+    agree(comm, error, prefix="save_checkpoint: ")  # the outcome, on every rank
     return final
 
 
-def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None) -> None:
+def _finish(save_dir, tag, partial, final, meta: bytes, save_latest: bool) -> str | None:
+    """Rank 0: write zeroshard.json and the new `latest` aside, then rename both into place,
+    undoing what was done if a step fails; an error text or None. Before the renames nothing
+    needs new space; a replaced same-tag checkpoint is kept as `.old` until the end."""
+    current = os.path.join(partial, META)
+    tmp = os.path.join(save_dir, f".{LATEST}.{writer_id()}.tmp")
+    old = os.path.join(save_dir, f".{tag}.{writer_id()}.old")
+    moved_old = placed = False
+    try:
+        write_file(current, meta)
+        if save_latest:
+            current = tmp
+            write_file(tmp, tag.encode())
+        current = final
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            moved_old = True
+        os.rename(partial, final)
+        placed = True
+        _fsync_dir(save_dir)  # the rename survives a power loss, not only a crash
+        if save_latest:
+            current = os.path.join(save_dir, LATEST)
+            os.replace(tmp, current)
+            _fsync_dir(save_dir)
+    except Exception as err:  # noqa: BLE001 - undone below, then reported on every rank
+        with contextlib.suppress(OSError):
+            if placed:
+                os.rename(final, partial)  # removed by the caller with the rest of the save
+            if moved_old:
+                os.rename(old, final)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        return _failure(current, err, "write" if current != final else "move the save to")
+    shutil.rmtree(old, ignore_errors=True)
+    return None
+
+
+def _failure(path: str, err: BaseException, doing: str, needed: int | None = None) -> str:
+    """One line for a failed step: the path, the OS cause (disk full: free and needed bytes)."""
+    os_err = find_os_error(err)
+    if os_err is None and "unexpected pos" in str(err):
+        os_err = OSError(errno.EIO, "short write (the disk may be full)")
+    if os_err is not None:
+        if os_err.filename:  # the very file (DCP's data files are named by their writer)
+            path, doing = os.fspath(os_err.filename), doing.replace(" the data of", "")
+        return describe_os_error(path, os_err, doing, needed)
+    return f"could not {doing} {path}: {type(err).__name__}: {_first_line(err)}"
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+
+
+def _serialized(obj) -> bytes:
+    """`torch.save` into memory: the file is then written with plain I/O, whose errors carry
+    errno (torch's own writer reports a full disk as `unexpected pos 64 vs 0`)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _bytes_to_write(state: dict, rank: int) -> int:
+    """About how many bytes this rank writes: its fragments, and (rank 0) the whole tensors."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, ShardedTensor):
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        elif torch.is_tensor(value) and rank == 0:
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
+                     tag_error: str | None = None, setup_error: str | None = None,
+                     writer: str = "") -> list:
     """Before anything is written, every rank learns every rank's save_dir, tag and client_state
-    verdict; all raise if they differ, so no rank leaves a half checkpoint that `latest` would
-    name (DeepSpeed's tutorial uses `ckpt_id = loss.item()`, which differs per rank)."""
-    views = comm.all_gather_object((save_dir, tag, client_error))
+    verdict (and rank 0's ownership of the directory); all raise if they differ, so no rank
+    leaves a half checkpoint that `latest` would name (DeepSpeed's tutorial uses
+    `ckpt_id = loss.item()`, which differs per rank). Returns every rank's view."""
+    views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer))
     problems = []
     for index, what in ((0, "save_dir"), (1, "tag")):
         by_value: dict[str, list[int]] = {}
@@ -283,14 +392,21 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None) ->
             problems.append(f"the ranks disagree on the checkpoint {what}: " + "; ".join(
                 f"{_ranks(ranks)}: {value!r}" for value, ranks in by_value.items()))
     if problems:
+        if comm.rank == 0 and setup_error is None:
+            shutil.rmtree(os.path.join(save_dir, partial_name(tag, writer)), ignore_errors=True)
         raise CheckpointError(
             "save_checkpoint: " + "; ".join(problems) + ". Every rank must pass the same save_dir "
             "and tag (e.g. tag=f'global_step{engine.global_steps}', or tag=None for that default); "
             "nothing was written and 'latest' is unchanged")
-    errors = [(rank, view[2]) for rank, view in enumerate(views) if view[2] is not None]
+    errors = [(rank, view[2] or view[3]) for rank, view in enumerate(views)
+              if view[2] is not None or view[3] is not None]
     if errors:
         raise ValueError("; ".join(f"rank {rank}: {error}" for rank, error in errors)
                          if len(views) > 1 else errors[0][1])
+    if views[0][4] is not None:
+        raise CheckpointError(f"save_checkpoint: rank 0: {views[0][4]}. Nothing was written and "
+                              "'latest' is unchanged")
+    return views
 
 
 def _fsync_dir(path: str) -> None:
@@ -395,10 +511,12 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
     try:
         with quiet_dcp():
             dcp.load(state, storage_reader=reader)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         # Only an I/O error, or a file replaced since it was verified, gets here.
+        if isinstance(err, CheckpointException) and err.failures:
+            err = next(iter(err.failures.values()))[0]
         raise CheckpointError(
-            f"could not load {path} after verifying it ({str(err).splitlines()[0][:500]}); "
+            f"could not load {path} after verifying it ({_failure(path, err, 'read')}); "
             "master weights and optimizer state may be partly overwritten: load a checkpoint "
             "again before training") from None
     with torch.no_grad():

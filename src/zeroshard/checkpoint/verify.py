@@ -194,7 +194,7 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def agree(comm, error: str | None) -> None:
+def agree(comm, error: str | None, prefix: str = "") -> None:
     """Every rank learns every rank's verdict; all raise CheckpointError if any rank failed."""
     verdicts = comm.all_gather_object(error)
     failed: dict[str, list[int]] = {}
@@ -202,26 +202,36 @@ def agree(comm, error: str | None) -> None:
         if message is not None:
             failed.setdefault(message, []).append(rank)
     if failed:
-        raise CheckpointError("; ".join(f"{_ranks(ranks)}: {message}"
-                                        for message, ranks in failed.items()))
+        raise CheckpointError(prefix + "; ".join(f"{_ranks(ranks)}: {message}"
+                                                 for message, ranks in failed.items()) +
+                              (_ABANDONED if prefix else ""))
 
 
-def gather_digests(comm, root: str, names: list[str], data: dict[str, list]) -> dict | None:
+#: What a failed save leaves (sharded.py's save undoes everything before it raises).
+_ABANDONED = (". The save was abandoned on every rank: nothing of it was kept and 'latest' still "
+              "names the previous checkpoint")
+
+
+def gather_digests(comm, root: str, names: list[str], data: dict[str, list],
+                   error: str | None = None, prefix: str = "") -> dict | None:
     """Hash this rank's small files `names` and the `(offset, length)` ranges of its data files
     (`data`); rank 0 gets every rank's `{name: record}`, the others None. A rank that cannot read
-    its files makes every rank raise, so no rank is left waiting."""
-    try:
-        mine = {name: file_digest(os.path.join(root, name)) for name in names}
-        for name, ranges in data.items():
-            path = os.path.join(root, name)
-            mine[name] = {"bytes": os.path.getsize(path), "ranges": range_digests(path, ranges)}
-        error = None
-    except OSError as err:
-        mine, error = {}, f"could not hash the files it wrote under {root}: {err}"
+    its files, or that brings an `error` of its own (a failed write), makes every rank raise, so
+    no rank is left waiting."""
+    mine = {}
+    if error is None:
+        try:
+            mine = {name: file_digest(os.path.join(root, name)) for name in names}
+            for name, ranges in data.items():
+                path = os.path.join(root, name)
+                mine[name] = {"bytes": os.path.getsize(path), "ranges": range_digests(path, ranges)}
+        except OSError as err:
+            mine, error = {}, f"could not hash the files it wrote under {root}: {err}"
     gathered = comm.all_gather_object((mine, error))
     errors = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
     if errors:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in errors))
+        raise CheckpointError(prefix + "; ".join(f"rank {r}: {e}" for r, e in errors) +
+                              (_ABANDONED if prefix else ""))
     if comm.rank != 0:
         return None
     return {name: record for part, _ in gathered for name, record in part.items()}

@@ -236,3 +236,109 @@ def test_a_full_disk_fails_the_save_everywhere_and_frees_its_space(saves):
         assert "CheckpointException" not in message and "unexpected pos" not in message
         assert full["listing"] == ["first", "latest"] and full["latest"] == "first"
         assert full["free_restored"]
+
+
+# -- the launcher dies: no orphan ----------------------------------------------------------------
+
+LOOPING = textwrap.dedent("""
+    import os, sys, time
+    out = sys.argv[1]
+    with open(os.path.join(out, f"worker{os.environ['LOCAL_RANK']}.pid"), "w") as fh:
+        fh.write(str(os.getpid()))
+    while True:  # a training loop that would go on saving
+        time.sleep(0.05)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_workers_die_when_the_launcher_is_killed(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOPING)
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "zeroshard.cli", "run", "--nproc-per-node", "2",
+                             str(script), str(tmp_path)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            pids = [int(p.read_text()) for p in tmp_path.glob("worker*.pid") if p.read_text()]
+        assert len(pids) == 2, "the workers did not start"
+        assert all(_alive(pid) for pid in pids)
+        proc.kill()  # SIGKILL: no handler runs, nothing is forwarded
+        proc.wait(10)
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in pids) and time.monotonic() < killed + 5:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids), \
+            f"workers {[p for p in pids if _alive(p)]} outlived the launcher by 5 s"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# -- two jobs, one directory ----------------------------------------------------------------------
+
+FIRST_JOB = textwrap.dedent("""
+    import os, sys, torch, zeroshard
+    from tests.models import make_model
+    root, out = sys.argv[1], sys.argv[2]
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1), config={"train_batch_size": 1, "zero_optimization": {"stage": 2}})
+    engine.save_checkpoint(root, tag="shared")
+    open(os.path.join(out, "saved"), "w").close()
+    sys.stdin.readline()  # the other job tries now
+    engine.save_checkpoint(root, tag="shared")  # the same tag again: this job goes on
+    engine.save_checkpoint(root, tag="mine")
+    print("first job done", flush=True)
+""")
+
+
+def _second_job(rank, world, root):
+    engine = _engine()
+    try:
+        engine.save_checkpoint(root, tag="shared")
+        return None
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        engine.destroy()
+
+
+def test_a_second_job_on_the_same_directory_is_refused_and_the_first_goes_on(tmp_path):
+    root = str(tmp_path / "ckpt")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    first = subprocess.Popen([sys.executable, "-c", FIRST_JOB, root, str(tmp_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=os.getcwd(), env=dict(env, ZEROSHARD_QUIET="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "saved").exists() and first.poll() is None and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "saved").exists(), first.communicate(timeout=30)[1][-2000:]
+        messages = run_world(1, _second_job, root)  # the lock is rank 0's: one rank shows it
+        out, err = first.communicate("go\n", timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    for message in messages:
+        assert message is not None and "belongs to another job" in message, message
+        assert f"process {first.pid} " in message and "-c" in message, message
+        assert "give this job another save_dir" in message
+    assert first.returncode == 0 and "first job done" in out, err[-2000:]
+    assert open(os.path.join(root, "latest")).read() == "mine"
+    assert sorted(os.listdir(root)) == ["latest", "mine", "shared"]
+    # The first job has ended: its lock went with it, and the directory is free for another.
+    assert run_world(1, _second_job, root) == [None]

@@ -18,6 +18,8 @@ file, each mapped onto torchrun options (deepspeed_flags.py), and nothing else:
   (integrations/deepspeed_alias.py; `--alias-deepspeed` when it is), deepspeed's package metadata
   answers there, and accelerate gets gloo on a host without GPUs (integrations/worker_hooks.py);
 * a launch handed a DeepSpeed config in which no worker built an engine fails (`--no-zero-check`);
+* on Linux the workers die with the launcher, even when it is SIGKILLed (a parent-death signal:
+  `workers_die_with_launcher`), so no orphan goes on training and saving;
 * `--config_file accelerate.yaml` takes ranks, nodes and rendezvous from an `accelerate config`
   file and gives the workers what `accelerate launch --config_file` gives them (its DeepSpeed
   environment), plus the file for `zeroshard.Accelerator`.
@@ -187,6 +189,7 @@ def run_command(argv: list[str]) -> int:
     from torch.distributed.run import run
 
     os.environ.update(args.zeroshard_env)  # the workers inherit this process's environment
+    workers_die_with_launcher()
     with tempfile.TemporaryDirectory(prefix="zeroshard-engaged-") as engaged:
         os.environ[ENGAGED_DIR] = engaged  # initialize() leaves a mark there (mark_engaged)
         try:
@@ -213,6 +216,43 @@ def run_command(argv: list[str]) -> int:
                   "train with it (evaluation only) can pass --no-zero-check.", file=sys.stderr)
             return 1
     return 0
+
+
+def workers_die_with_launcher() -> bool:
+    """Linux: start every torchrun worker with a parent-death signal (SIGKILL), so that a
+    launcher killed outright (SIGKILL, OOM killer) takes its workers with it instead of leaving
+    orphans that go on training and saving. Set in the child between fork and exec (it survives
+    exec, also bind.py's); a launcher that died before that leaves the child to exit at once.
+    Whether it is in place."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import \
+            subprocess_handler as handler
+    except ImportError:  # another torch layout: workers are started as before
+        return False
+    if getattr(handler.Popen, "zeroshard_pdeathsig", False):
+        return True
+    import ctypes
+    import subprocess
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    launcher = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def die_with_launcher() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the signal was armed
+            os._exit(1)
+
+    def popen(*args, **kwargs):
+        if kwargs.get("preexec_fn") is None:
+            kwargs["preexec_fn"] = die_with_launcher
+        return subprocess.Popen(*args, **kwargs)
+
+    popen.zeroshard_pdeathsig = True
+    handler.Popen = popen
+    return True
 
 
 def _asks_for_zero(args: argparse.Namespace, env: dict[str, str]) -> str | None:

@@ -74,14 +74,18 @@ class FlopsProfile:
         lines = [f"[zeroshard] flops profile of step {step} (forward + backward, rank 0):"]
         if detailed:
             lines.append(f"  {'module':<48} {'FLOPs':>12} {'share':>7} {'params':>10}")
+            root = type(self.model).__name__
             counts = self.counter.get_flop_counts()
             for name, ops in counts.items():
-                if name == "Global":
+                # Only the model's own modules: the counter also names the wrappers it ran in
+                # (the engine); the root's line is the whole count, since the counter may have
+                # started inside the root's forward.
+                if name != root and not name.startswith(root + "."):
                     continue
                 depth = name.count(".")
                 if module_depth >= 0 and depth > module_depth:
                     continue
-                flops = sum(ops.values())
+                flops = total if name == root else sum(ops.values())
                 share = flops / total if total else 0.0
                 label = "  " * depth + name.rsplit(".", 1)[-1]
                 lines.append(f"  {label:<48} {_human(flops):>12} {share:>6.1%} "

@@ -181,9 +181,9 @@ class TrainingWatch:
         moved = report.get("total", 0) - self._comm_at_print
         self._comm_at_print = report.get("total", 0)
         kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(report.items())
-                          if k not in ("total", "intra_host", "inter_host"))
+                          if k not in ("total", "intra_host", "inter_host") and v)
         return (f"comm this rank: {moved / max(steps, 1) / 2**20:.2f} MiB/step over the last "
-                f"{steps} step(s); since start: {kinds}")
+                f"{steps} step(s); since start: {kinds or 'nothing'}")
 
     # -- flops profiler ---------------------------------------------------------------------------
     def _profile_start(self) -> None:

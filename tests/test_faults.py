@@ -85,8 +85,47 @@ def _attempt(engine, root, tag):
         return str(err)
 
 
-def _saves(rank, world, tmp):
+class _Net(torch.nn.Module):
+    """Two Linear layers; rank-dependent variants for the agreement cases."""
+
+    def __init__(self, first=(6, 4), extra=False, dtype=torch.float32):
+        super().__init__()
+        self.a = torch.nn.Linear(*first, dtype=dtype)
+        self.b = torch.nn.Linear(first[1] if first[1] != 6 else 4, 3)
+        if extra:
+            self.c = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+#: case -> what rank 1 builds differently (rank 0 builds _Net() with the base config).
+DISAGREE = {"transposed": {"first": (4, 6)}, "extra_layer": {"extra": True},
+            "dtype": {"dtype": torch.float64}, "config": {}, "same": {}}
+
+
+def _agreement(rank):
+    from zeroshard.core.agreement import RankMismatchError
+
     out = {}
+    for case, change in DISAGREE.items():
+        model = _Net(**(change if rank == 1 else {}))
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                  "zero_optimization": {"stage": 1}}
+        if case == "config" and rank == 1:
+            config["gradient_clipping"] = 0.5
+        try:
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+            engine.destroy()
+            out[case] = None
+        except RankMismatchError as err:
+            out[case] = str(err)
+    return out
+
+
+def _saves(rank, world, tmp):
+    out = {"agreement": _agreement(rank)}
     engine = _engine()
     tokens, targets = micro_slice(make_batches(1, 2 * world)[0], 0, rank, world, 2)
     engine.backward(lm_loss(engine(tokens), targets))
@@ -185,6 +224,21 @@ def _full_disk(engine, rank, tmp):
 def saves():
     with tempfile.TemporaryDirectory() as tmp:
         return run_world(2, _saves, tmp)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("transposed", ["parameter a.weight", "rank 0: parameter a.weight shape (4, 6) float32",
+                    "rank 1: parameter a.weight shape (6, 4) float32"]),
+    ("extra_layer", ["parameter c.weight", "rank 0: nothing", "6 parameters and buffers"]),
+    ("dtype", ["rank 0: parameter a.weight shape (4, 6) float32",
+               "rank 1: parameter a.weight shape (4, 6) float64"]),
+    ("config", ["different configs", "gradient_clipping = rank 0: 1.0; rank 1: 0.5"])])
+def test_ranks_that_built_different_models_are_refused(saves, case, expected):
+    messages = [got["agreement"][case] for got in saves]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    for part in expected:
+        assert part in messages[0], messages[0]
+    assert saves[0]["agreement"]["same"] is None
 
 
 def test_leftovers_of_dead_saves_are_removed(saves):

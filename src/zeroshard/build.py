@@ -25,6 +25,7 @@ from .dist import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
 from .config.refusals import check_hpz, check_mics, require_supported
 from .config.schema import ZeroConfig, load_config, read_raw
+from .core.agreement import check_ranks_agree
 from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.layout import INIT_ATTR
@@ -95,6 +96,7 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
     cfg = source if isinstance(source, ZeroConfig) else load_config(source, comm.world_size)
     require_supported(cfg)
     watch_collectives(comm, cfg.zero_optimization.zeroshard_desync_timeout)
+    check_ranks_agree(comm, model, cfg)  # before any collective whose sizes depend on the model
     device = default_device()
     dtype = _compute_dtype(cfg)
     torch_opt = _make_optimizer(optimizer, model_parameters, model, cfg)

@@ -20,6 +20,8 @@ from .config.schema import ZeroConfig
 from .core.deepspeed_views import ThroughputTimer
 from .core.no_optimizer import REFUSAL, is_placeholder
 from .core.optim import ZeroOptimizer
+from .activations.checkpointing import use_engine_config
+from .monitor import MonitorMaster, TrainingWatch
 
 PLACEMENTS = ("device", "cpu", "nvme")
 
@@ -50,6 +52,12 @@ class Engine(nn.Module):
         self.compute_dtype = _compute_dtype(config)
         autocast = config.torch_autocast
         self.autocast_dtype = getattr(torch, autocast.dtype) if autocast.enabled else None
+        #: DeepSpeed's engine.monitor (TensorBoard/CSV/W&B/Comet writers, rank 0), and what the
+        #: loop reports: log line, wall-clock breakdown, flops profile (zeroshard/monitor/).
+        self.monitor = MonitorMaster(config, comm.rank)
+        self._watch = TrainingWatch(self, self.monitor)
+        use_engine_config(config.activation_checkpointing,  # deepspeed.checkpointing's defaults
+                          "activation_checkpointing" in config.model_fields_set)
 
     # -- DeepSpeed-style accessors -----------------------------------------------------------------
     @property
@@ -128,7 +136,7 @@ class Engine(nn.Module):
         if self.compute_dtype is not None:
             args = tuple(_cast(a, self.compute_dtype) for a in args)
             kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
-        with self.comm.phase("forward"):
+        with self.comm.phase("forward"), self._watch.forward(args, kwargs):
             if self.autocast_dtype is None:
                 return self.module(*args, **kwargs)
             # The config's torch_autocast (DeepSpeed's): it also replaces an autocast the caller
@@ -148,7 +156,7 @@ class Engine(nn.Module):
             raise RuntimeError(REFUSAL.format(what="engine.backward"))
         scale = self.scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         self.optimizer.policy.expect_boundary(self.is_gradient_accumulation_boundary())
-        with self.comm.phase("backward"):
+        with self.comm.phase("backward"), self._watch.backward(loss):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         return loss
 
@@ -166,7 +174,7 @@ class Engine(nn.Module):
             return
         applied = False
         try:
-            with self.comm.phase("optimizer step"):
+            with self.comm.phase("optimizer step"), self._watch.step():
                 applied = self.optimizer.step()
         finally:
             if applied:
@@ -178,10 +186,7 @@ class Engine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.micro_steps += 1
-        if self._config.steps_per_print and self.global_steps % self._config.steps_per_print == 0 \
-                and self.rank == 0 and _verbose():
-            print(f"[zeroshard] step {self.global_steps} lr {self.get_lr()} "
-                  f"loss_scale {self.scaler.scale:g}", flush=True)
+        self._watch.after_step()  # steps_per_print line, monitor events, flops profile
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients."""
@@ -305,6 +310,7 @@ class Engine(nn.Module):
         model is gathered whole first, unless `keep_parameters=False` (then its parameters stay
         empty: use it for models too large to hold whole, after saving what you need)."""
         self.optimizer.close(keep_parameters)
+        self._watch.close()
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -329,10 +335,6 @@ def _cast(value, dtype):
     if torch.is_tensor(value) and value.is_floating_point():
         return value.to(dtype)
     return value
-
-
-def _verbose() -> bool:
-    return os.environ.get("ZEROSHARD_QUIET", "0") != "1"
 
 
 def _compute_dtype(config: ZeroConfig) -> torch.dtype | None:

@@ -211,6 +211,8 @@ class VariantResult:
     """Bytes this rank moved in the last step: "total", "intra_host", "inter_host"."""
     hosts: tuple[int, int] = (1, 1)
     """(hosts, ranks per host), from the node layout the comm ledger uses."""
+    tokens_per_step: int = 0
+    """Tokens one optimizer step trains on, over all ranks."""
 
     @property
     def model_states(self) -> int:
@@ -255,6 +257,7 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
                                 zero.get("offload_param", {}).get("device", "none"))
         result.estimate = {kind: sum(by_place.values()) for kind, by_place in expected.items()}
         block = model.cfg.block_size
+        result.tokens_per_step = engine.world_size * args.micro_batch * block
         for step in range(args.steps):
             x, y = batch_for_step(data, step, engine.rank, engine.world_size, args.micro_batch,
                                   block, args.seed)
@@ -280,7 +283,7 @@ def train_variant(name: str, args: argparse.Namespace, data: torch.Tensor,
             dist.all_reduce(mean_loss)
             result.losses.append(mean_loss.item() / engine.world_size)
             progress(name, step + 1, args.steps, result.losses[-1],
-                     statistics.median(result.step_ms))
+                     statistics.median(result.step_ms), result.tokens_per_step)
         report = engine.memory_report()
         after_step = _held_bytes(report)
         result.memory = {k: max(after_backward.get(k, 0), after_step.get(k, 0))
@@ -303,11 +306,14 @@ class Progress:
         self.stream = stream
         self.tty = enabled and stream.isatty()
 
-    def __call__(self, name: str, step: int, steps: int, loss: float, ms: float) -> None:
+    def __call__(self, name: str, step: int, steps: int, loss: float, ms: float,
+                 tokens_per_step: int = 0) -> None:
         """Report that `step` of `steps` finished with this loss and median step time."""
         if not self.enabled:
             return
         line = f"stage {name:<6} step {step:>4}/{steps:<4} loss {loss:.4f}  {ms:7.1f} ms/step"
+        if tokens_per_step and ms > 0:
+            line += f"  {tokens_per_step / ms * 1e3:9,.0f} tokens/s"
         if self.tty:
             self.stream.write("\r" + line + ("\n" if step == steps else ""))
             self.stream.flush()
@@ -332,6 +338,26 @@ def format_table(results: list[VariantResult]) -> list[str]:
             f"{r.on_device / MB:>11.3f}  {saving}")
     lines.append(loss_agreement(results))
     lines.append(estimate_agreement(results))
+    return lines
+
+
+def throughput_table(results: list[VariantResult], n_params: int, world: int,
+                     device: torch.device) -> list[str]:
+    """Tokens/s over all ranks at the median step time, model TFLOPS per device (6 x parameters
+    per token) and MFU where the device's peak is known (zeroshard.monitor.throughput)."""
+    from ..monitor.throughput import mfu, model_flops_per_token, peak_flops
+
+    peak = peak_flops(device, None)  # the demo trains in fp32
+    per_token = model_flops_per_token(n_params)
+    header = f"{'stage':<7}{'tokens/s':>12}{'TFLOPS/device':>15}{'MFU':>8}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        rate = r.tokens_per_step / statistics.median(r.step_ms) * 1e3
+        util = mfu(rate / world, per_token, peak)
+        lines.append(f"{r.name:<7}{rate:>12,.0f}{rate / world * per_token / 1e12:>15.4f}"
+                     f"{'n/a' if util is None else f'{util:.1%}':>8}")
+    lines.append("tokens/s: all ranks, at the median step time; MFU needs the device's peak "
+                 "FLOP/s (known GPUs only, n/a on CPU)")
     return lines
 
 
@@ -462,6 +488,10 @@ def worker_main(argv: list[str]) -> int:
               "on the compute device, which +cpu / +nvme offload moves to CPU memory / swap "
               "files).", flush=True)
         print("\n" + "\n".join(comm_table(results)), flush=True)
+        n_params = sum(p.numel() for p in TinyGPT(GPTConfig()).parameters())
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        print("\n" + "\n".join(throughput_table(results, n_params, world, device)), flush=True)
         if args.plot:
             save_plot(results, args.plot)
             print(f"plot written to {args.plot}")

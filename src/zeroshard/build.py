@@ -13,7 +13,6 @@ Build order, each step handed what the previous ones made (no object is rewired 
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -23,18 +22,20 @@ from torch import nn
 
 from .dist import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
-from .config.refusals import check_hpz, check_mics, require_supported
+from .config.refusals import check_elementwise, check_hpz, check_mics, require_supported
 from .config.schema import ZeroConfig, load_config, read_raw
 from .core.agreement import check_ranks_agree
 from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.layout import INIT_ATTR
-from .core.mics import mics_comms
-from .core.no_optimizer import is_placeholder, make_no_placement, placeholder_optimizer
+from .core.hostsync import HostSyncs
+from .core.mics import mics_comms, sync_replicas
+from .core.no_optimizer import NoPlacement, is_placeholder, make_no_placement, placeholder_optimizer
 from .core.optim import ZeroOptimizer, build_optimizer
-from .core.reduction import Reduction
+from .core.reduction import Reduction, accumulation_dtype
 from .core.scaler import LossScaler
-from .core.stage3 import Stage3Options
+from .core.spec import Stage3Options, StageSpec
+from .core.stages import lay_out, make_policy, owned_slices
 from .dist.process_group import mark_engaged
 from .engine import Engine, _compute_dtype
 from .offload.optimizer import make_placement
@@ -116,34 +117,66 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
 
 def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfig, dtype,
                          device: torch.device) -> ZeroOptimizer:
+    """Units, then the placement (masters taken in full precision), then the cast, then the stage
+    policy: each part built from what the earlier ones made, none rewired afterwards."""
     zero = cfg.zero_optimization
     check_hpz(zero.zero_hpz_partition_size, zero.stage, comm.world_size,
               zero.offload_param.device if zero.offload_param is not None else "none")
+    check_elementwise(torch_opt)
     opt_comm, replicas = _mics_groups(model, comm, cfg)
     scaler = LossScaler.from_config(cfg.fp16)
-    zopt = ZeroOptimizer(model, torch_opt, opt_comm, stage=zero.stage,
-                         bucket_numel=zero.reduce_bucket_size, compute_dtype=dtype,
-                         clip_norm=cfg.gradient_clipping, scaler=scaler,
-                         overlap_comm=zero.overlap_comm is not False,
-                         stage3=Stage3Options(
-                             prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
-                             max_live_parameters=zero.stage3_max_live_parameters,
-                             max_reuse_distance=zero.stage3_max_reuse_distance,
-                             quantized_weights=zero.zero_quantized_weights,
-                             quantized_gradients=zero.zero_quantized_gradients,
-                             make_store=functools.partial(make_store, zero.offload_param, cfg.aio,
-                                                          rank=comm.rank),
-                             hpz_partition_size=zero.zero_hpz_partition_size,
-                             mics_replicas=replicas),
-                         persistence_threshold=zero.stage3_param_persistence_threshold,
-                         unit_classes=zero.zeroshard_unit_classes,
-                         make_placement=make_no_placement if is_placeholder(torch_opt) else
-                         functools.partial(
-                             make_placement, zero.offload_optimizer if zero.stage > 0 else None,
-                             cfg.aio, rank=comm.rank, master_dtype=_master_dtype(cfg)),
-                         device=device, reduction=_reduction(cfg),
+    syncs = HostSyncs()
+    group_of = {id(p): g for g, group in enumerate(torch_opt.param_groups)
+                for p in group["params"] if p.requires_grad}
+    # Every rank starts from rank 0's weights (as DDP does), taken in full precision before the
+    # masters are made and the units cast, so unseeded initialisations cannot diverge.
+    units, layout = lay_out(model, group_of, opt_comm, zero.stage, zero.reduce_bucket_size,
+                            zero.stage3_param_persistence_threshold, zero.zeroshard_unit_classes,
+                            device)
+    if replicas is not None:
+        sync_replicas(units, layout.persistent, replicas)
+    owned = owned_slices(units, zero.stage, opt_comm.rank, layout)
+    if is_placeholder(torch_opt):
+        placement = make_no_placement(torch_opt, units)
+    else:
+        placement = make_placement(zero.offload_optimizer if zero.stage > 0 else None, cfg.aio,
+                                   torch_opt, units, owned, dtype, rank=comm.rank,
+                                   master_dtype=_master_dtype(cfg), syncs=syncs,
+                                   clip_norm=cfg.gradient_clipping,
+                                   loss_scaling=scaler.enabled, shards_land=zero.stage >= 2)
+    del owned
+    for unit in units:
+        unit.cast(dtype or unit.dtype)
+    store = None
+    if layout is not None:  # the shards move to their placement now they are in the compute dtype
+        store = make_store(zero.offload_param, cfg.aio,
+                           [u for u in units if u.index not in layout.persistent], rank=comm.rank)
+    spec = _stage_spec(cfg, placement, units, dtype, replicas)
+    policy = make_policy(units, opt_comm, spec, module=model, layout=layout, store=store,
+                         syncs=syncs, early=placement.early)
+    return ZeroOptimizer(model, torch_opt, opt_comm, units, policy, placement,
+                         clip_norm=cfg.gradient_clipping, scaler=scaler, syncs=syncs,
                          world_comm=comm)  # GatheredParameters' modifier_rank numbers the world
-    return zopt
+
+
+def _stage_spec(cfg: ZeroConfig, placement, units, dtype, replicas: Comm | None) -> StageSpec:
+    """The stage policy's frozen spec: the config's knobs plus what the placement decided."""
+    zero = cfg.zero_optimization
+    master_dtype = getattr(placement, "master_dtype", torch.float32)
+    return StageSpec(
+        stage=zero.stage, overlap_comm=zero.overlap_comm is not False,
+        grad_place="cpu" if placement.name != "device" and zero.stage >= 2 else "device",
+        reduction=_reduction(cfg),
+        accum_dtype=accumulation_dtype(dtype or units[0].dtype, master_dtype) if units else None,
+        keeps_gradients=not isinstance(placement, NoPlacement),
+        stage3=Stage3Options(
+            prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+            max_live_parameters=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            quantized_weights=zero.zero_quantized_weights,
+            quantized_gradients=zero.zero_quantized_gradients,
+            hpz_partition_size=zero.zero_hpz_partition_size,
+            mics_replicas=replicas))
 
 
 def _mics_groups(model: nn.Module, comm: Comm, cfg: ZeroConfig) -> tuple[Comm, Comm | None]:

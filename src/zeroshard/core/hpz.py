@@ -64,10 +64,10 @@ class Stage3HPZ(Stage3):
     """Stage 3 plus secondary shards: gathers between a unit's forward and the step stay in its
     P-rank group."""
 
-    def __init__(self, *args, hpz_partition_size: int, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.hpz = hpz_partition_size
-        self.host_comm = host_group_comm(self.comm, hpz_partition_size)
+        self.hpz = self.options.hpz_partition_size
+        self.host_comm = host_group_comm(self.comm, self.hpz)
         #: unit index -> this rank's 1/P slice of the unit's current full buffer.
         self.secondary: dict[int, torch.Tensor] = {}
         #: units whose secondary shard holds qwZ's int8 rows (`quantized_comm.py`), not weights.

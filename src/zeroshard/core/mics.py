@@ -36,13 +36,9 @@ def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
 class Stage3MiCS(Stage3):
     """Stage 3 over the shard group (`comm`), plus the replica all-reduce of gradient shards."""
 
-    def __init__(self, *args, replicas: Comm, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.replicas = replicas
-        # Every replica starts from shard group 0's values (rank 0's weights).
-        for unit in self.units:
-            tensor = unit.shard if unit.index in self.sharded else unit.flat
-            self.replicas.broadcast(tensor, src=0, unit=unit)
+        self.replicas: Comm = self.options.mics_replicas
 
     def reduce_gradients(self) -> None:
         """As stage 3, then average the gradient shards over the replica groups."""
@@ -53,6 +49,12 @@ class Stage3MiCS(Stage3):
             shard = self.grad_shards[unit.index]
             self.replicas.all_reduce(shard, unit=unit)
             shard.mul_(1.0 / self.replicas.world_size)
+
+
+def sync_replicas(units, persistent: set[int], replicas: Comm) -> None:
+    """Give every replica shard group 0's values (rank 0's weights), before masters are taken."""
+    for unit in units:
+        replicas.broadcast(unit.flat if unit.index in persistent else unit.shard, src=0, unit=unit)
 
 
 def replica_targets(opt) -> tuple[int, int] | None:

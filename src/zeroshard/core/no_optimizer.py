@@ -4,7 +4,7 @@ an `optimizer` block (reference and reward models in RLHF, evaluation-only engin
 The model is laid out and partitioned exactly as for training (same units, same stage-3 gathers
 around each forward), but nothing is kept for training: no fp32 master or optimizer state
 (`NoPlacement` holds nothing), and the stage policy is told to allocate no gradient storage and
-hook nothing for backward (`keeps_gradients`), so `memory_report()` shows 0 for grads and
+hook nothing for backward (`StageSpec.keeps_gradients`), so `memory_report()` shows 0 for grads and
 optimizer and no gradient-sized buffer is ever allocated. `backward`
 and `step` are refused by the engine with an error saying why.
 """
@@ -35,7 +35,7 @@ class NoPlacement:
     """The optimizer placement of an engine without an optimizer: no masters, no state."""
 
     name = "device"
-    keeps_gradients = False  # read by the optimizer: its stage policy allocates no gradients
+    early = None
 
     def __init__(self, units):
         # One empty stand-in per unit: the placeholder's param groups point at these.
@@ -69,6 +69,11 @@ class NoPlacement:
     sq_norm = step = drop_grads = tensors = install = _refuse
 
 
-def make_no_placement(optimizer, units, policy, compute_dtype) -> NoPlacement:
-    """`make_placement`'s signature, for an engine without an optimizer."""
-    return NoPlacement(units)
+def make_no_placement(optimizer, units) -> NoPlacement:
+    """The placement of an engine without an optimizer (its param groups point at stand-ins)."""
+    placement = NoPlacement(units)
+    groups = optimizer.param_groups
+    for g, group in enumerate(groups):
+        group["params"] = [m for unit, m in zip(units, placement.masters) if unit.group_index == g]
+    optimizer.state.clear()
+    return placement

@@ -1,6 +1,7 @@
 """The sharded optimizer: the user's torch optimizer re-seated over this rank's shards.
 
-`ZeroOptimizer` owns the layout (units), the stage policy and the fp32 master shards. Its `step()`
+`ZeroOptimizer` composes what `build.py` made: the units, the stage policy over them and the
+placement of the fp32 master shards and optimizer state; it builds nothing itself. Its `step()`
 is the same for every stage:
   1. the policy averages gradients across ranks (all-reduce / reduce-scatter / already done);
   2. the fp32 gradient of each owned shard is formed (a view in fp32, an upcast copy otherwise);
@@ -15,7 +16,9 @@ is the same for every stage:
   5. the fp32 master shard is copied back into the compute-dtype shard (unless it is that shard);
   6. the policy all-gathers the updated shards (stages 1-2).
 Where the masters and optimizer state live, and so how steps 2-5 run, is the placement's business
-(`offload.py`: the device, CPU memory, or NVMe swap files stepped unit by unit).
+(`offload/optimizer.py`: the device, CPU memory, or NVMe swap files stepped unit by unit); the
+placement writes each updated master back through the policy's `write_owned`, which the step hands
+it (the placement holds no reference to the policy).
 """
 
 from __future__ import annotations
@@ -26,26 +29,13 @@ import torch
 from torch import nn
 
 from ..dist import Comm, default_device
-from ..config.refusals import check_elementwise
 from .hostmem import host_region, to_device
 from .deepspeed_views import ParameterOffloadView
 from .hostsync import HostSyncs
-from .init import take_full
-from .layout import Unit, build_units
+from .layout import Unit
 from .owners import forget, register
-from .materialize import materialize
-from .partition import build_stage3_layout
 from .policy import StagePolicy
-from .reduction import Reduction, accumulation_dtype
 from .scaler import LossScaler
-from .stage0 import Stage0
-from .stage1 import Stage1
-from .stage2 import Stage2
-from .stage3 import Stage3, Stage3Options
-
-POLICIES = {0: Stage0, 1: Stage1, 2: Stage2}
-
-FUSED_ON_CPU = {"Adam", "AdamW", "SGD", "Adagrad"}
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -59,106 +49,40 @@ class ZeroOptimizer(torch.optim.Optimizer):
     param groups and state it exposes are those of the re-seated user optimizer.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, stage: int,
-                 bucket_numel: int, compute_dtype: torch.dtype | None, clip_norm: float,
-                 scaler: LossScaler, overlap_comm: bool = True,
-                 stage3: Stage3Options | None = None, persistence_threshold: int = 0,
-                 unit_classes: list[str] | None = None, make_placement=None,
-                 device: torch.device | None = None, reduction: Reduction | None = None,
-                 world_comm: Comm | None = None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
+                 units: list[Unit], policy: StagePolicy, placement, *, clip_norm: float,
+                 scaler: LossScaler, syncs: HostSyncs, world_comm: Comm | None = None):
+        """Compose the parts `build.py` made: `units` (cast to the compute dtype), the stage
+        `policy` over them, and the `placement` of masters and optimizer state (which re-seated
+        `optimizer` on its masters). `world_comm` numbers ranks for GatheredParameters when
+        `comm` is a MiCS shard group."""
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
-        check_elementwise(optimizer)
         self.comm = comm
-        #: The compute device: units are gathered and computed with here.
-        self.device = device or default_device()
         self.clip_norm = clip_norm
         self.scaler = scaler
         self.optimizer = optimizer
+        self.model = model
+        self.units = units
+        self.policy = policy
+        self.placement = placement
+        self.masters = placement.masters
+        #: The compute device: units are gathered and computed with here.
+        self.device = units[0].compute_device if units else default_device()
         #: The unclipped global gradient norm of the last applied step, as a device tensor.
         self.grad_norm: torch.Tensor | None = None
         self.step_applied = False
-        self.model = model
         self._parameter_offload = None
-        #: Host synchronization points of the step, counted by reason.
-        self.syncs = HostSyncs()
+        #: Host synchronization points of the step, counted by reason (shared with the parts).
+        self.syncs = syncs
         self.steps = 0
         #: The I/O error (NvmeError) of a step that failed half-way; cleared by loading a checkpoint.
         self.broken: OSError | None = None
-
-        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
-                    for p in group["params"] if p.requires_grad}
-        # Every rank starts from rank 0's weights (as DDP does), taken in full precision before
-        # masters are made and buffers cast, so unseeded initialisations cannot diverge.
-        if stage == 3:
-            options = stage3 or Stage3Options()
-            layout = build_stage3_layout(model, group_of, comm.world_size, bucket_numel,
-                                         persistence_threshold, unit_classes, self.device)
-            self.units: list[Unit] = layout.units
-            # Parameters partitioned at construction that no optimizer steps are whole again.
-            take_full(p for p in model.parameters() if id(p) not in group_of)
-            # One unit at a time: this rank never holds the whole model (materialize.py).
-            materialize(self.units, layout.persistent, comm)
-        else:
-            take_full(model.parameters())  # built under a stage-3 Init: whole again
-            # named_parameters() yields a tied weight once, under its first name.
-            self.units = build_units(list(model.named_parameters()), group_of, comm.world_size,
-                                     bucket_numel, self.device)
-            for unit in self.units:
-                comm.broadcast(unit.flat, src=0)
-        if stage == 3:
-            # Stage 3 keeps only this rank's shard of each unit from here on.
-            self.policy: StagePolicy = _stage3(self.units, comm, overlap_comm, model, layout,
-                                               options)
-        else:
-            self.policy = POLICIES[stage](self.units, comm, overlap_comm, model)
-        # Masters are taken before casting so that they keep the full-precision initial values.
-        # `make_placement(optimizer, units, policy, compute_dtype)` (offload/optimizer.py) decides
-        # where masters and optimizer state live; the engine chooses it from offload_optimizer.
-        self.placement = make_placement(optimizer, self.units, self.policy, compute_dtype)
-        self.masters = self.placement.masters
-        for unit in self.units:
-            unit.cast(compute_dtype or unit.dtype)
-        if self.placement.name != "device" and stage >= 2:
-            self.policy.grad_place = "cpu"  # gradient shards live where the optimizer steps
-        self.policy.reduction = reduction or Reduction()
-        self.policy.syncs = self.syncs
-        self.placement.syncs = self.syncs
-        if self.units:
-            self.policy.accum_dtype = accumulation_dtype(
-                compute_dtype or self.units[0].dtype,
-                getattr(self.placement, "master_dtype", torch.float32))
-        self.policy.keeps_gradients = getattr(self.placement, "keeps_gradients", True)
-        self.policy.setup()
-        self._reseat(optimizer)
-        # Offloaded CPU step per unit during the boundary backward, where nothing global
-        # (clipping, loss scaling) has to be known first (offload/early.py).
-        enable = getattr(self.placement, "enable_early", None)
-        if stage >= 2 and enable is not None and enable(clip_norm, scaler.enabled):
-            self.policy.early = self.placement.early
         for unit in self.units:  # GatheredParameters & co. find the owner of a parameter here
             register(self, unit, world_comm or comm)
 
     # -- construction --------------------------------------------------------------------------
-    def _reseat(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point the user's param groups at the master shards (same hyper-parameters, fresh state)."""
-        groups = optimizer.param_groups
-        shards: list[list[nn.Parameter]] = [[] for _ in groups]
-        for unit, master in zip(self.units, self.masters):
-            shards[unit.group_index].append(master)
-        optimizer.state.clear()
-        use_fused = type(optimizer).__name__ in FUSED_ON_CPU and type(optimizer).__module__.startswith("torch.optim")
-        for group, params in zip(groups, shards):
-            group["params"] = params
-            # torch 2.13's fused CPU SGD drops the update of bf16 tensors of 16+ elements
-            # (bf16 masters): keep torch's default kernel there.
-            broken = type(optimizer).__name__ == "SGD" and \
-                any(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params)
-            if use_fused and group.get("fused") is None and not group.get("foreach") \
-                    and not group.get("differentiable") and not broken:
-                group["fused"] = True
-
     def refresh_master(self, unit: Unit, param: nn.Parameter) -> None:
         """Re-take the fp32 master of `param`'s owned part after the parameter changed in place."""
         slot = next(s for s in unit.slots if s.param is param)
@@ -241,7 +165,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not masked and self.syncs.finish_read(flag, "non-finite check (non-fused optimizer)"):
             return self._skip()
         try:
-            had_state = self.placement.step(factor, found_inf if masked else None)
+            had_state = self.placement.step(factor, found_inf if masked else None,
+                                            self.policy.write_owned)
             self.policy.gather_params()
         except OSError as err:  # the placement's I/O (offload/nvme.py's NvmeError)
             self.broken = err
@@ -328,22 +253,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.placement.close()
         for unit in self.units:
             forget(unit)
-
-
-def _stage3(units, comm, overlap_comm, model, layout, options: Stage3Options) -> Stage3:
-    """The stage-3 policy: plain, with hpZ's secondary shards (zero_hpz_partition_size > 1), or
-    over a MiCS shard group (mics_shard_size > 0)."""
-    if options.mics_replicas is not None:
-        from .mics import Stage3MiCS
-
-        return Stage3MiCS(units, comm, overlap_comm, model, layout, options,
-                          replicas=options.mics_replicas)
-    if options.hpz_partition_size > 1:
-        from .hpz import Stage3HPZ
-
-        return Stage3HPZ(units, comm, overlap_comm, model, layout, options,
-                         hpz_partition_size=options.hpz_partition_size)
-    return Stage3(units, comm, overlap_comm, model, layout, options)
 
 
 def build_optimizer(spec, params) -> torch.optim.Optimizer:

@@ -2,7 +2,8 @@
 
 A stage is a policy over the one layout of `layout.py`. It decides where gradients accumulate
 (full per-unit buffers, or only this rank's shard), which collective averages them, and whether the
-updated shards must be all-gathered after the optimizer step. The optimizer (`optim.py`) asks a
+updated shards must be all-gathered after the optimizer step. A policy is built from a frozen
+`StageSpec` (`spec.py`) and is complete when its constructor returns. The optimizer (`optim.py`) asks a
 policy for three things: `reduce_gradients()` at the accumulation boundary, `grad_shard(unit)` (the
 averaged gradient of the slice this rank steps), and `gather_params()` after the step.
 """
@@ -15,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..dist import Comm, wait_all
 from .layout import Unit
-from .reduction import Reduction
+from .spec import StageSpec
 
 # Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the
 # next unit). Each one pins a unit-sized gradient buffer and (N-1)/N of it in receive buffers.
@@ -30,27 +31,27 @@ class StagePolicy:
     stage = -1
     #: Each rank steps only its 1/N shard (stages >= 1) rather than the whole unit (stage 0).
     shards_optimizer = True
-    #: Where persistent gradient shards live (stages 2-3): "device", or "cpu" under optimizer
-    #: offload, set by the optimizer before `setup()`.
-    grad_place = "device"
-    #: How gradients are summed and averaged (dtype, pre/post scaling); set before `setup()`.
-    reduction = Reduction()
-    #: dtype of persistent gradient shards (stages 2-3; micro-steps accumulate in it), None: the
-    #: unit's dtype; set by the optimizer before `setup()`.
-    accum_dtype: torch.dtype | None = None
-    #: The optimizer's counter of host synchronization points (`hostsync.py`), or None.
-    syncs = None
-    #: False for an engine without an optimizer (`no_optimizer.py`): `setup()` allocates no
-    #: gradient storage and hooks nothing for backward (stage 3 still gathers around forward).
-    keeps_gradients = True
 
-    def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True,
-                 module: torch.nn.Module | None = None):
+    def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *,
+                 module: torch.nn.Module | None = None, syncs=None, early=None):
+        """Lay out gradient storage and hook the model, from `spec` (no later set-up phase).
+
+        `syncs`: the optimizer's counter of host synchronization points (`hostsync.py`);
+        `early`: under optimizer offload, the per-unit CPU step (`offload/early.py`) handed each
+        gradient shard as it becomes final in a boundary backward (stages 2-3), or None."""
         self.units = units
         self.module = module
         self.comm = comm
-        self.overlap = overlap_comm
+        self.spec = spec
+        self.overlap = spec.overlap_comm
+        self.grad_place = spec.grad_place
+        self.reduction = spec.reduction
+        self.accum_dtype = spec.accum_dtype
+        self.keeps_gradients = spec.keeps_gradients
+        self.syncs = syncs
+        self.early = early
         self.hooks = []
+        self._attach()
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_bounds(self, unit: Unit) -> tuple[int, int]:
@@ -89,9 +90,9 @@ class StagePolicy:
         """Bytes of parameter swap files (stage 3 with offload_param nvme)."""
         return 0
 
-    # -- interface the optimizer calls ---------------------------------------------------------
-    def setup(self) -> None:
-        """Allocate gradient storage and register hooks."""
+    # -- construction ----------------------------------------------------------------------------
+    def _attach(self) -> None:
+        """Allocate gradient storage and register hooks (the last step of construction)."""
         self.flat_grads = []
         for unit in self.units if self.keeps_gradients else []:
             flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.compute_device)

@@ -1,6 +1,6 @@
 """Where the stage-3 policy keeps its parameter shards between gathers: the interface it calls,
 and the default that keeps them on the compute device. CPU memory and NVMe implementations are
-placements (`offload/param.py`), given to the policy through `Stage3Options.make_store`."""
+placements (`offload/param.py`), made by build.py and given to the stage-3 policy."""
 
 from __future__ import annotations
 

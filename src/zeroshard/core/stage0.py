@@ -41,9 +41,9 @@ class Stage0(StagePolicy):
     stage = 0
     shards_optimizer = False
 
-    def setup(self) -> None:
+    def _attach(self) -> None:
         """Full gradient buffers (as the base policy), plus the hooks that overlap the all-reduce."""
-        super().setup()
+        super()._attach()
         self.reduced: dict[int, torch.Tensor] = {}
         self.dirty = {u.index for u in self.units}  # buffers changed since their reduction
         self.armed = True

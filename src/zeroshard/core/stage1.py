@@ -27,9 +27,9 @@ class Stage1(StagePolicy):
 
     stage = 1
 
-    def setup(self) -> None:
+    def _attach(self) -> None:
         """Full gradient buffers (as the base policy) and no reduced shards yet."""
-        super().setup()
+        super()._attach()
         self.reduced: dict[int, torch.Tensor] = {}
 
     def reduce_gradients(self) -> None:

@@ -51,9 +51,6 @@ class Stage2(StagePolicy):
     """Full params; gradient and optimizer shards; reduce-scatter per unit during backward."""
 
     stage = 2
-    #: Under optimizer offload, the per-unit CPU step (`offload/early.py`), handed each gradient
-    #: shard as it becomes final in a boundary backward; None: the whole step runs after backward.
-    early = None
     boundary = False  # the engine said the backward running now ends the accumulation window
     clean_backwards = 0  # backwards that ended without late gradients
     saw_late = False  # a gradient reached a unit after it had landed (reentrant checkpoints)
@@ -88,7 +85,7 @@ class Stage2(StagePolicy):
         return self.early is not None and self.boundary and self.clean_backwards > 0 \
             and not self.saw_late
 
-    def setup(self) -> None:
+    def _attach(self) -> None:
         """Allocate persistent gradient shards and hook every managed parameter."""
         self.grad_shards = {u.index: self._grad_shard_memory(u) for u in self.units}
         self.buffers: dict[int, torch.Tensor] = {}  # unit index -> its full gradient, being filled

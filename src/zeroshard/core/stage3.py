@@ -37,9 +37,6 @@ runs during the backward of the units after it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -52,34 +49,9 @@ from .quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan
 from .quantized_comm import HostGroups, block_plan, quantized_all_gather
 from .schedule import Schedule
 from .shard_store import ShardStore
+from .spec import StageSpec
 from .stage2 import Stage2
 from .streams import Streams
-
-
-@dataclass(kw_only=True)
-class Stage3Options:
-    """The `stage3_*` knobs, in elements."""
-
-    prefetch_bucket_size: int = 50_000_000
-    """Elements gathered ahead of need at any time."""
-    max_live_parameters: int = 1_000_000_000
-    """Prefetch and reuse never take gathered elements above this."""
-    max_reuse_distance: int = 1_000_000_000
-    """Keep a unit gathered if it is needed again within this many elements of other units."""
-    make_store: Callable[[list[Unit]], ShardStore] | None = None
-    """Builds the placement of the sharded units' shards (`offload_param`: CPU memory, NVMe);
-    None keeps them on the compute device."""
-    hpz_partition_size: int = 1
-    """zero_hpz_partition_size: > 1 keeps secondary shards in groups of this many ranks (`hpz.py`)."""
-    mics_replicas: Comm | None = None
-    """mics_shard_size: the replica group's Comm when the policy's Comm is a MiCS shard group
-    (`mics.py`); None: sharded over the whole world."""
-    quantized_weights: bool = False
-    """`zero_quantized_weights` (ZeRO++ qwZ): the forward/backward gathers of sharded units send
-    int8 blocks (`quantized_comm.py`)."""
-    quantized_gradients: bool = False
-    """`zero_quantized_gradients` (ZeRO++ qgZ): gradients are reduced inside each host, then
-    across hosts int8-quantized (more than one host only)."""
 
 
 class Stage3(Stage2):
@@ -87,12 +59,14 @@ class Stage3(Stage2):
 
     stage = 3
 
-    def __init__(self, units: list[Unit], comm: Comm, overlap_comm: bool = True,
-                 module: torch.nn.Module | None = None, layout: Stage3Layout | None = None,
-                 options: Stage3Options | None = None):
-        super().__init__(units, comm, overlap_comm, module)
+    def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *, layout: Stage3Layout,
+                 store: ShardStore | None = None, module: torch.nn.Module | None = None,
+                 syncs=None, early=None):
+        """`layout`: the units' modules and persistent units (`partition.py`); `store`: where the
+        sharded units' shards live (`offload/param.py`; None: on the compute device), made from
+        the shards in the compute dtype."""
         self.layout = layout
-        self.options = options or Stage3Options()
+        self.options = spec.stage3
         self.by_index = {u.index: u for u in units}
         self.sharded = {u.index for u in units if u.index not in layout.persistent}
         # On CPU, freed 28 MB buffers stay in glibc's heap; CUDA's caching allocator reuses them.
@@ -107,14 +81,16 @@ class Stage3(Stage2):
         self.pinned: dict[int, int] = {}  # unit index -> GatheredParameters contexts holding it
         self.live_numel = 0
         self.peak_live_numel = 0
-        self.store = ShardStore([u for u in units if u.index in self.sharded])
+        self.store = store if store is not None else \
+            ShardStore([u for u in units if u.index in self.sharded])
         self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
-        self.host_groups: HostGroups | None = None  # qgZ's process groups (set up in setup())
+        self.host_groups: HostGroups | None = None  # qgZ's process groups (made in _attach)
         self.block_plans: dict[tuple[int, int], BlockPlan] = {}  # (unit, block) -> qwZ/qgZ plan
         #: qwZ: unit index -> its gather, whose int8 rows stay readable while the unit is
         #: gathered (`rows_packed`); kept only where `keeps_packed` (hpZ's secondary shards).
         self.packed: dict[int, object] = {}
         self.keeps_packed = False
+        super().__init__(units, comm, spec, module=module, syncs=syncs, early=early)
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -245,18 +221,14 @@ class Stage3(Stage2):
         self.store.read_ahead(self.schedule.upcoming())
 
     # -- forward -----------------------------------------------------------------------------------
-    def setup(self) -> None:
+    def _attach(self) -> None:
         """Stage-2 gradient machinery plus gather/release hooks on every unit module."""
-        super().setup()
+        super()._attach()
         self.streams = Streams(self.streams.device, ("reduce", "gather"))
         for unit in self.units:  # persistent units are whole; sharded ones are released
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)
         self._guard_saving()
-        # Shards move to their placement now that they are in the compute dtype.
-        sharded = [u for u in self.units if u.index in self.sharded]
-        self.store = self.options.make_store(sharded) if self.options.make_store else \
-            ShardStore(sharded)
         if self.options.quantized_gradients:
             self.host_groups = HostGroups.for_comm(self.comm)
         for module in self.layout.modules:

@@ -48,40 +48,51 @@ from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
 PLACEMENT_NAMES = ("device", "cpu", "nvme")
 # torch optimizers whose fused kernels skip the update where `optimizer.found_inf` is 1.
 _TAKES_FOUND_INF = {"Adam", "AdamW", "SGD", "Adagrad"}
+# torch optimizers given `fused=True` when the user left it unset.
+_FUSED_ON_CPU = {"Adam", "AdamW", "SGD", "Adagrad"}
 
 
 class Placement:
     """Masters and optimizer state held in memory (on the compute device or on the CPU)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], policy,
-                 compute_dtype: torch.dtype | None, where: str = "device", pin: bool = False,
-                 master_dtype: torch.dtype = torch.float32, step_in_backward: bool | None = False):
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit],
+                 owned: list[torch.Tensor], compute_dtype: torch.dtype | None, where: str = "device",
+                 pin: bool = False, master_dtype: torch.dtype = torch.float32,
+                 step_in_backward: bool | None = False, *, syncs: HostSyncs | None = None,
+                 clip_norm: float = 0.0, loss_scaling: bool = False):
+        """Take a master of each unit's owned slice (`owned`, in full precision, before the units
+        are cast), re-seat `optimizer` on the masters, and decide whether units may be stepped
+        during the boundary backward (`early.py`; never with clipping or fp16 loss scaling)."""
         self.optimizer = optimizer
         self.units = units
-        self.policy = policy
         self.name = where
         if step_in_backward is None:  # by default where there is a device to overlap with
             step_in_backward = any(u.compute_device.type != "cpu" for u in units)
         self.step_in_backward = step_in_backward and where == "cpu"
-        #: The per-unit CPU step during backward (`early.py`), when `enable_early` allowed it,
+        #: The per-unit CPU step during backward (`early.py`), when this run allows it,
         #: and whether the last step was taken that way.
         self.early: EarlyStep | None = None
         self.stepped_early = False
         self.device = torch.device("cpu") if where != "device" else None
         self.pin = pin and where != "device" and torch.cuda.is_available()
         self.master_dtype = master_dtype
-        self.masters = [self._master(unit, compute_dtype) for unit in units]
+        self.masters = [self._master(unit, slice_, compute_dtype)
+                        for unit, slice_ in zip(units, owned)]
+        reseat(optimizer, units, self.masters)
         on_cuda = any(u.compute_device.type == "cuda" for u in units)
         # Pinned landing buffers (in the master dtype) make the gradient copy to the CPU asynchronous.
         self.grad_buffers = [host_empty(m.numel(), m.dtype, pin=True) for m in self.masters] \
             if self.pin and on_cuda else None
         self.threads = _offload_threads() if where != "device" and on_cuda else None
-        #: Host synchronization points (the optimizer hands its own counter).
-        self.syncs = HostSyncs()
+        #: Host synchronization points (the optimizer's counter).
+        self.syncs = syncs if syncs is not None else HostSyncs()
         self.streams = Streams(units[0].compute_device if units else torch.device("cpu"))
+        if self.step_in_backward and clip_norm <= 0 and not loss_scaling and self.can_mask():
+            self.early = EarlyStep(self)
 
-    def _master(self, unit: Unit, compute_dtype: torch.dtype | None) -> nn.Parameter:
-        owned = self.policy.read_owned(unit).detach()
+    def _master(self, unit: Unit, owned: torch.Tensor,
+                compute_dtype: torch.dtype | None) -> nn.Parameter:
+        owned = owned.detach()
         in_fp32 = (compute_dtype or unit.dtype) == torch.float32 == self.master_dtype
         if self.device is not None:  # offloaded: in host memory
             return nn.Parameter(host_copy(owned, self.master_dtype, self.pin), requires_grad=True)
@@ -93,13 +104,6 @@ class Placement:
         data = torch.empty(owned.numel(), dtype=self.master_dtype, device=unit.compute_device)
         data.copy_(owned)
         return nn.Parameter(data, requires_grad=True)
-
-    def enable_early(self, clip_norm: float, loss_scaling: bool) -> bool:
-        """Step units during the boundary backward from now on, if this run allows it (`early.py`):
-        CPU placement, no clipping, no fp16 loss scaling, a fused torch optimizer."""
-        if self.step_in_backward and clip_norm <= 0 and not loss_scaling and self.can_mask():
-            self.early = EarlyStep(self)
-        return self.early is not None
 
     def _early_now(self) -> bool:
         return self.early is not None and self.early.active
@@ -156,13 +160,14 @@ class Placement:
         return opt.__module__.startswith("torch.optim") and opt.__name__ in _TAKES_FOUND_INF \
             and all(group.get("fused") for group in self.optimizer.param_groups)
 
-    def step(self, factor, found_inf: torch.Tensor | None = None) -> set[int]:
+    def step(self, factor, found_inf: torch.Tensor | None, write_owned) -> set[int]:
         """Scale the attached gradients by `factor` (a float, or a 0-dim tensor), step (skipped
-        inside the kernels where `found_inf` is 1), and write masters back to the params. Returns
-        the ids of the masters that had optimizer state before (see `forget_new_state`)."""
+        inside the kernels where `found_inf` is 1), and write masters back to the params through
+        `write_owned(unit, values)` (the policy's). Returns the ids of the masters that had
+        optimizer state before (see `forget_new_state`)."""
         self.stepped_early = self._early_now()
         if self.stepped_early:
-            return self._finish_early(factor)
+            return self._finish_early(factor, write_owned)
         factor, found_inf = self._for_step(factor, found_inf)
         grads = [m.grad for m in self.masters if m.grad is not None]
         _scale(grads, factor)
@@ -177,10 +182,10 @@ class Placement:
                 del self.optimizer.found_inf
         self.drop_grads()
         for unit, master in zip(self.units, self.masters):
-            self.policy.write_owned(unit, master.data)
+            write_owned(unit, master.data)
         return had_state
 
-    def _finish_early(self, factor) -> set[int]:
+    def _finish_early(self, factor, write_owned) -> set[int]:
         """The step of units stepped during backward: write the masters back to the parameters
         (only now: backward may have read them until its end)."""
         if torch.is_tensor(factor) or factor != 1.0:
@@ -188,7 +193,7 @@ class Placement:
                                  "loss scaling should have kept the step after backward)")
         self.early.active = False
         for unit, master in zip(self.units, self.masters):
-            self.policy.write_owned(unit, master.data)
+            write_owned(unit, master.data)
         return {id(self.masters[i]) for i in range(len(self.masters))
                 if self.units[i].index not in self.early.new_state}
 
@@ -282,10 +287,12 @@ class Placement:
 class NvmePlacement(Placement):
     """Masters and optimizer state in swap files, stepped unit by unit through staging buffers."""
 
-    def __init__(self, optimizer, units, policy, compute_dtype, spec, aio, rank: int):
+    def __init__(self, optimizer, units, owned: list[torch.Tensor], spec, aio, rank: int, *,
+                 syncs: HostSyncs | None = None):
+        """Write each unit's owned slice (`owned`, full precision) as its master's swap file and
+        re-seat `optimizer` on placeholder masters (filled unit by unit during the step)."""
         self.optimizer = optimizer
         self.units = units
-        self.policy = policy
         self.name = "nvme"
         self.device = torch.device("cpu")
         self.step_in_backward = False  # its step goes unit by unit through I/O after backward
@@ -297,7 +304,7 @@ class NvmePlacement(Placement):
         self.threads = _offload_threads() if self.on_cuda else None
         self.grad_buffers = None
         self.grads = None
-        self.syncs = HostSyncs()
+        self.syncs = syncs if syncs is not None else HostSyncs()
         self.streams = Streams(self.compute_device)
         self.pipeline_read = bool(spec.pipeline_read)
         self.pipeline_write = bool(spec.pipeline_write)
@@ -315,15 +322,16 @@ class NvmePlacement(Placement):
                           block_size=aio.block_size)
         self.placeholder = host_empty(0)
         self.masters = []
-        for unit in units:
+        for unit, slice_ in zip(units, owned):
             for kind in ["master"] + self.kinds[unit.group_index]:
                 self.swap.create(_name(unit, kind), shard_bytes[unit.index])
             buffer = self.pool.take()
             data = buffer.view(torch.float32)[:unit.shard_numel]
-            data.copy_(self.policy.read_owned(unit))
+            data.copy_(slice_)
             self.io.write(self.swap, _name(unit, "master"), buffer).wait()
             self.pool.give(buffer)
             self.masters.append(nn.Parameter(self.placeholder, requires_grad=True))
+        reseat(optimizer, units, self.masters)
 
     def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Sum of squares of the gradients, one unit at a time (no fp32 copy of all of them),
@@ -338,7 +346,7 @@ class NvmePlacement(Placement):
         """The overflow flag is read before an NVMe step (it runs unit by unit through I/O)."""
         return False
 
-    def step(self, factor, found_inf: torch.Tensor | None = None) -> set[int]:
+    def step(self, factor, found_inf: torch.Tensor | None, write_owned) -> set[int]:
         """Read, step and write back one unit at a time, overlapping I/O with the step."""
         factor, _ = self._for_step(factor, None)
         units = [u for u in self.units if u.shard_numel]
@@ -354,7 +362,7 @@ class NvmePlacement(Placement):
                 current = reads.pop(unit.index)
                 for request in current[0]:
                     request.wait()
-                copied = self._step_unit(unit, current[1], factor)
+                copied = self._step_unit(unit, current[1], factor, write_owned)
                 writes.extend(self._start_write(unit, current[1], copied))
                 current = None  # its buffers go back to the pool as its writes finish
                 if not self.pipeline_write:
@@ -375,7 +383,7 @@ class NvmePlacement(Placement):
         requests = [self.io.read(self.swap, _name(unit, kind), buf) for kind, buf in buffers.items()]
         return requests, buffers
 
-    def _step_unit(self, unit: Unit, buffers: dict, factor: float) -> None:
+    def _step_unit(self, unit: Unit, buffers: dict, factor: float, write_owned) -> None:
         master = self.masters[unit.index]
         n = unit.shard_numel
         master.data = buffers["master"].view(torch.float32)[:n]
@@ -397,7 +405,7 @@ class NvmePlacement(Placement):
         finally:
             self.optimizer.param_groups = saved
             master.grad = None
-        self.policy.write_owned(unit, master.data)
+        write_owned(unit, master.data)
         # The copy to the device may still read the staging buffer: its event goes with the
         # buffer's write, and the buffer is reused only after both (`_start_write`).
         copied = self.streams.record()
@@ -506,19 +514,47 @@ class NvmePlacement(Placement):
         self.swap.close()
 
 
-def make_placement(spec, aio, optimizer, units, policy, compute_dtype, rank: int,
-                   master_dtype: torch.dtype = torch.float32) -> Placement:
+def make_placement(spec, aio, optimizer, units, owned: list[torch.Tensor], compute_dtype,
+                   rank: int, master_dtype: torch.dtype = torch.float32, *,
+                   syncs: HostSyncs | None = None, clip_norm: float = 0.0,
+                   loss_scaling: bool = False, shards_land: bool = False) -> Placement:
     """The placement `offload_optimizer` asks for (`spec` None or device "none": the device),
-    with masters and state in `master_dtype` (fp32, or bf16 for bf16 master weights; NVMe keeps
-    fp32, and config/refusals.py refuses bf16 masters there before anything is built)."""
+    with masters taken from `owned` in `master_dtype` (fp32, or bf16 for bf16 master weights; NVMe
+    keeps fp32, and config/refusals.py refuses bf16 masters there before anything is built).
+    `shards_land`: the stage hands gradient shards over as they land (stages 2-3), so units may
+    be stepped during backward (`early.py`)."""
     device = spec.device if spec is not None else "none"
     if device == "nvme":
-        return NvmePlacement(optimizer, units, policy, compute_dtype, spec, aio, rank)
+        return NvmePlacement(optimizer, units, owned, spec, aio, rank, syncs=syncs)
+    common = dict(master_dtype=master_dtype, syncs=syncs, clip_norm=clip_norm,
+                  loss_scaling=loss_scaling)
     if device == "cpu":
-        return Placement(optimizer, units, policy, compute_dtype, "cpu", spec.pin_memory,
-                         master_dtype=master_dtype,
-                         step_in_backward=getattr(spec, "zeroshard_step_in_backward", None))
-    return Placement(optimizer, units, policy, compute_dtype, master_dtype=master_dtype)
+        return Placement(optimizer, units, owned, compute_dtype, "cpu", spec.pin_memory,
+                         step_in_backward=getattr(spec, "zeroshard_step_in_backward", None)
+                         if shards_land else False,
+                         **common)
+    return Placement(optimizer, units, owned, compute_dtype, **common)
+
+
+def reseat(optimizer: torch.optim.Optimizer, units: list[Unit], masters: list) -> None:
+    """Point the user's param groups at the masters (same hyper-parameters, fresh state), with
+    torch's fused kernel where it has one for the optimizer."""
+    groups = optimizer.param_groups
+    shards: list[list[nn.Parameter]] = [[] for _ in groups]
+    for unit, master in zip(units, masters):
+        shards[unit.group_index].append(master)
+    optimizer.state.clear()
+    use_fused = type(optimizer).__name__ in _FUSED_ON_CPU and \
+        type(optimizer).__module__.startswith("torch.optim")
+    for group, params in zip(groups, shards):
+        group["params"] = params
+        # torch 2.13's fused CPU SGD drops the update of bf16 tensors of 16+ elements
+        # (bf16 masters): keep torch's default kernel there.
+        broken = type(optimizer).__name__ == "SGD" and \
+            any(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params)
+        if use_fused and group.get("fused") is None and not group.get("foreach") \
+                and not group.get("differentiable") and not broken:
+            group["fused"] = True
 
 
 def _scale(grads: list[torch.Tensor], factor) -> None:

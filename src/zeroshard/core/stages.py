@@ -1,0 +1,77 @@
+"""Building one stage: the units of the layout, then the policy over them, from a `StageSpec`.
+
+`build.py` calls `lay_out` first (the units, full precision, already holding rank 0's values),
+takes the masters from `owned_slices`, casts the units, and then calls `make_policy`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..dist import Comm
+from .init import take_full
+from .layout import Unit, build_units
+from .materialize import materialize
+from .partition import Stage3Layout, build_stage3_layout
+from .policy import StagePolicy
+from .spec import StageSpec
+from .stage0 import Stage0
+from .stage1 import Stage1
+from .stage2 import Stage2
+from .stage3 import Stage3
+
+POLICIES = {0: Stage0, 1: Stage1, 2: Stage2}
+
+
+def lay_out(model: nn.Module, group_of: dict[int, int], comm: Comm, stage: int, bucket_numel: int,
+            persistence_threshold: int, unit_classes, device: torch.device
+            ) -> tuple[list[Unit], Stage3Layout | None]:
+    """The units of `model`'s trained parameters, every rank holding rank 0's values: whole below
+    stage 3; at stage 3 only this rank's shard of each sharded unit (one unit at a time, so the
+    rank never holds the whole model). Returns the units and stage 3's layout (None below)."""
+    if stage == 3:
+        layout = build_stage3_layout(model, group_of, comm.world_size, bucket_numel,
+                                     persistence_threshold, unit_classes, device)
+        # Parameters partitioned at construction that no optimizer steps are whole again.
+        take_full(p for p in model.parameters() if id(p) not in group_of)
+        materialize(layout.units, layout.persistent, comm)
+        return layout.units, layout
+    take_full(model.parameters())  # built under a stage-3 Init: whole again
+    # named_parameters() yields a tied weight once, under its first name.
+    units = build_units(list(model.named_parameters()), group_of, comm.world_size, bucket_numel,
+                        device)
+    for unit in units:
+        comm.broadcast(unit.flat, src=0)
+    return units, None
+
+
+def owned_slices(units: list[Unit], stage: int, rank: int,
+                 layout: Stage3Layout | None) -> list[torch.Tensor]:
+    """The slice of each unit this rank will step (views, before the units are cast): the whole
+    flat buffer at stage 0, this rank's shard of it above."""
+    out = []
+    for unit in units:
+        if stage == 0:
+            out.append(unit.flat)
+        elif layout is not None and unit.index not in layout.persistent:
+            out.append(unit.shard)
+        else:
+            out.append(unit.flat[slice(*unit.shard_bounds(rank))])
+    return out
+
+
+def make_policy(units: list[Unit], comm: Comm, spec: StageSpec, *, module: nn.Module,
+                layout: Stage3Layout | None = None, store=None, syncs=None,
+                early=None) -> StagePolicy:
+    """The stage policy `spec` describes; at stage 3 plain, with hpZ's secondary shards
+    (zero_hpz_partition_size > 1) or over a MiCS shard group (mics_shard_size > 0)."""
+    common = dict(module=module, syncs=syncs, early=early)
+    if spec.stage < 3:
+        return POLICIES[spec.stage](units, comm, spec, **common)
+    cls = Stage3
+    if spec.stage3.mics_replicas is not None:
+        from .mics import Stage3MiCS as cls
+    elif spec.stage3.hpz_partition_size > 1:
+        from .hpz import Stage3HPZ as cls
+    return cls(units, comm, spec, layout=layout, store=store, **common)

@@ -91,7 +91,7 @@ class FlopsProfile:
                 lines.append(f"  {label:<48} {_human(flops):>12} {share:>6.1%} "
                              f"{_human(params.get(name, 0)):>10}")
         achieved = total / self.seconds if self.seconds > 0 else 0.0
-        lines.append(f"  total: {_human(total, 'FLOPs')} in {self.seconds * 1e3:.1f} ms of forward "
+        lines.append(f"  total: {total:,} FLOPs ({_human(total)}) in {self.seconds * 1e3:.1f} ms of forward "
                      f"and backward = {achieved / 1e12:.4g} TFLOPS; parameters "
                      f"{_human(params.get(type(self.model).__name__, 0))}")
         return "\n".join(lines)

@@ -18,6 +18,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..core.layout import full_numel
 
 
+def whole_numel(param: nn.Parameter) -> int:
+    """A parameter's real size, also while stage 3 holds only its shard (`ds_numel`)."""
+    return getattr(param, "ds_numel", full_numel(param))
+
+
 def _human(value: float, unit: str = "") -> str:
     """`1.23 G` style: three significant digits and an SI prefix."""
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -32,7 +37,7 @@ def module_params(model: nn.Module) -> dict[str, int]:
     root = type(model).__name__
     out = {}
     for name, module in model.named_modules():
-        seen = {id(p): full_numel(p) for p in module.parameters()}
+        seen = {id(p): whole_numel(p) for p in module.parameters()}
         out[f"{root}.{name}" if name else root] = sum(seen.values())
     return out
 
@@ -76,18 +81,17 @@ class FlopsProfile:
             lines.append(f"  {'module':<48} {'FLOPs':>12} {'share':>7} {'params':>10}")
             root = type(self.model).__name__
             counts = self.counter.get_flop_counts()
-            for name, ops in counts.items():
-                # Only the model's own modules: the counter also names the wrappers it ran in
-                # (the engine); the root's line is the whole count, since the counter may have
-                # started inside the root's forward.
-                if name != root and not name.startswith(root + "."):
+            # The model's modules in their own order; the counter also names the wrappers it ran
+            # in (the engine), and the root's line is the whole count, since the counter may have
+            # started inside the root's forward.
+            for path, _ in self.model.named_modules():
+                name = f"{root}.{path}" if path else root
+                depth = path.count(".") + 1 if path else 0
+                flops = total if not path else sum(counts.get(name, {}).values())
+                if (module_depth >= 0 and depth > module_depth) or (path and not flops):
                     continue
-                depth = name.count(".")
-                if module_depth >= 0 and depth > module_depth:
-                    continue
-                flops = total if name == root else sum(ops.values())
                 share = flops / total if total else 0.0
-                label = "  " * depth + name.rsplit(".", 1)[-1]
+                label = "  " * depth + (path or root)
                 lines.append(f"  {label:<48} {_human(flops):>12} {share:>6.1%} "
                              f"{_human(params.get(name, 0)):>10}")
         achieved = total / self.seconds if self.seconds > 0 else 0.0

@@ -22,8 +22,7 @@ import time
 
 import torch
 
-from ..core.layout import full_numel
-from .flops import FlopsProfile
+from .flops import FlopsProfile, whole_numel
 from .throughput import count_tokens, mfu, model_flops_per_token, peak_flops
 from .timers import WallClock
 
@@ -142,7 +141,7 @@ class TrainingWatch:
     def flops_per_token(self) -> float:
         """Model training FLOPs per token: 6 x the model's (whole) parameter count."""
         if self._flops_per_token is None:
-            seen = {id(p): full_numel(p) for p in self.engine.module.parameters()}
+            seen = {id(p): whole_numel(p) for p in self.engine.module.parameters()}
             self._flops_per_token = model_flops_per_token(sum(seen.values()))
         return self._flops_per_token
 

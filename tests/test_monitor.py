@@ -148,7 +148,13 @@ def test_log_line_shows_loss_time_and_throughput(results):
     for line, step in zip(lines, (2, 4)):
         loss = float(re.search(r"loss ([0-9.]+)", line).group(1))
         assert loss == pytest.approx(r["ref_losses"][step - 1], abs=1e-4)
-        assert re.search(r"[0-9.]+ ms/step", line) and re.search(r"[0-9,]+ tokens/s", line)
+        assert re.search(r"[0-9.]+ ms/step", line)
+        rate = float(re.search(r"([0-9,]+) tokens/s", line).group(1).replace(",", ""))
+        tflops = float(re.search(r"([0-9.e+-]+) TFLOPS/device", line).group(1))
+        # Model FLOPs: 6 x the whole model's parameters per token, per device (of 2), although
+        # stage 3 holds only shards of them.
+        n_params = sum({id(p): p.numel() for p in make_model().parameters()}.values())
+        assert tflops * 1e12 == pytest.approx(rate / 2 * 6 * n_params, rel=0.01)
         assert "MFU" not in line  # no known peak on a CPU
     breakdown = [line for line in r["printed"].splitlines() if "time (ms)" in line]
     assert len(breakdown) == 2 and all("fwd:" in b and "bwd:" in b and "step:" in b

@@ -203,6 +203,22 @@ REFUSED: dict[str, str] = {
         "update would be wrong on shards",
 }
 
+# Keys stored without effect and without a warning (DeepSpeed tuning knobs whose job zeroshard
+# does another way): key -> what happens instead.
+ACCEPTED: dict[str, str] = {
+    "seed": "accepted, no effect: seed torch yourself (`torch.manual_seed`)",
+    "zero_force_ds_cpu_optimizer": "accepted, no effect: offloaded steps use torch's fused CPU kernels",
+    "zero_optimization.load_from_fp32_weights": "accepted, no effect: masters always load from the checkpoint's fp32 fragments",
+    "zero_optimization.ignore_unused_parameters": "accepted, no effect: parameters without a gradient are always allowed",
+    "zero_optimization.sub_group_size": "accepted, no effect at stage 3: the optimizer steps unit by unit",
+    "zero_optimization.offload_optimizer.fast_init": "accepted, no effect",
+    "zero_optimization.offload_param.buffer_size": "accepted, no effect: staging buffers are sized to the largest unit",
+    "zero_optimization.offload_param.max_in_cpu": "accepted, no effect",
+    "aio.single_submit": "accepted, no effect",
+    "aio.overlap_events": "accepted, no effect",
+    "aio.use_gds": "accepted, no effect",
+}
+
 # Which function of config/refusals.py refuses which keys, and how many `raise` statements the
 # module had when REFUSED was last checked against it (tests/test_docs_config.py compares both).
 REFUSAL_FUNCTIONS: dict[str, list[str]] = {
@@ -356,7 +372,8 @@ def render() -> str:
         "",
         "Every key of the DeepSpeed JSON config that zeroshard reads, generated from its schema",
         "(`zeroshard/config/schema.py`). *DeepSpeed's meaning* says what the key is for; *zeroshard*",
-        "says what happens here: **implemented**; **warns** — accepted, with a one-line",
+        "says what happens here: **implemented**; **accepted** — read, without effect or warning;",
+        "**warns** — accepted, with a one-line",
         "`ConfigWarning` when the key has no effect (the text below is the warning, `N` the stage);",
         "**refuses** — some values are an error that names the key. A key the schema does not",
         "know is an error that suggests the closest spelling; the rules (batch sizes, `\"auto\"`,",
@@ -378,6 +395,9 @@ def render() -> str:
             if path in REFUSED:
                 status.append("**refuses** " + REFUSED[path])
             status += ["**warns**: " + w for w in warnings_for(path)]
+            if path in ACCEPTED:
+                status.append("**" + ACCEPTED[path].replace(",", "**,", 1)
+                              if "," in ACCEPTED[path] else "**" + ACCEPTED[path] + "**")
             if not status:
                 status.append("**implemented**")
             if desc:

@@ -71,3 +71,10 @@ def test_a_new_key_without_a_meaning_is_named(monkeypatch):
     gen = _gen()
     monkeypatch.delitem(gen.MEANING, "aio.queue_depth")
     assert gen.missing_meanings() == ["aio.queue_depth"]
+
+
+def test_accepted_keys_are_schema_keys():
+    gen = _gen()
+    paths = {k for k, *_ in gen.schema_keys()}
+    stale = [k for k in gen.ACCEPTED if k not in paths]
+    assert not stale, f"ACCEPTED in docs/gen_config_reference.py names keys the schema lacks: {stale}"

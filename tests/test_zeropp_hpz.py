@@ -82,7 +82,7 @@ def _equality_case(rank, name, gas, zero, options, bf16, root):
     want = _final(plain, model)
     hpz, _ = _engine(gas, zero, PER_HOST, bf16, **options)
     _train(hpz, batches[:STEPS // 2], rank, gas)
-    held = hpz.optimizer.policy.secondary_bytes()  # dropped by the step
+    held = hpz.optimizer.policy.gather.secondary_bytes()  # dropped by the step
     hpz.save_checkpoint(os.path.join(root, name))
     hpz.destroy()
     resumed, model = _engine(gas, zero, PER_HOST, bf16, seed=5, **options)
@@ -105,7 +105,8 @@ def _per_phase(engine, tokens, targets):
             loss = lm_loss(engine(tokens), targets)
             policy = engine.optimizer.policy
             out["memory_after_forward"] = engine.memory_report()["params"]["device"]
-            out["secondary_after_forward"] = getattr(policy, "secondary_bytes", lambda: 0)()
+            out["secondary_after_forward"] = getattr(getattr(policy, "gather", None),
+                                                     "secondary_bytes", lambda: 0)()
         elif phase == "backward":
             engine.backward(loss)
         else:

@@ -20,7 +20,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config.schema import ConfigWarning, load_config
-from zeroshard.core.quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize,
+from zeroshard.core.zeropp.quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize,
                                      num_blocks, packed_size, quantize)
 from tests.harness import run_world
 from tests.models import lm_loss, make_batches, make_model, micro_slice
@@ -215,10 +215,11 @@ def _ledger(rank, world, zero):
 def _overlap(rank, world):
     """Order of qgZ's steps in one backward of a Linear stack: each unit's launch, the start of
     its cross-host exchange (`advance`) and the wait for it."""
-    from zeroshard.core import quantized_comm, stage2
+    from zeroshard.core import stage2
+    from zeroshard.core.zeropp import collectives
 
     events = []
-    cls, policy_cls = quantized_comm._HierarchicalReduceScatter, stage2.Stage2
+    cls, policy_cls = collectives._HierarchicalReduceScatter, stage2.Stage2
     advance, wait, launch = cls.advance, cls.wait, policy_cls._launch_unit
 
     def logged_advance(self):
@@ -255,7 +256,7 @@ def _overlap(rank, world):
 def _hierarchical(rank, world):
     """qgZ's reduce-scatter of one buffer against the exact sum of every rank's buffer."""
     from zeroshard.dist import Comm
-    from zeroshard.core.quantized_comm import HostGroups
+    from zeroshard.core.zeropp.collectives import HostGroups
 
     comm = Comm()
     groups = HostGroups.for_comm(comm)

@@ -58,7 +58,7 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "round_robin_gradients", lambda v, c: v, _NO_EFFECT),
     ("zero_optimization", "elastic_checkpoint", lambda v, c: v,
      "{full} has no effect in zeroshard (checkpoints always reshard on load); ignored"),
-    # ZeRO++ qwZ / qgZ (core/quantized_comm.py): stage 3 only, as in DeepSpeed (whose stages 1-2
+    # ZeRO++ qwZ / qgZ (core/zeropp/): stage 3 only, as in DeepSpeed (whose stages 1-2
     # ignore them without a word).
     *[("zero_optimization", k, lambda v, c: v and c.zero_optimization.stage < 3, _STAGE3_ONLY)
       for k in ("zero_quantized_weights", "zero_quantized_gradients")],

@@ -1,4 +1,5 @@
-"""MiCS (`mics_shard_size` = S): stage 3 sharded over groups of S ranks, replicated across groups.
+"""MiCS (`mics_shard_size` = S): stage 3 sharded over groups of S ranks, replicated across groups:
+stage 3 over the shard group's Comm with the `ReplicaReduce` strategy.
 
 Parameters, gradients and optimizer state are sharded over a *shard group* of S consecutive
 ranks only (typically the ranks of one host, or of a few), so the parameter all-gathers and the
@@ -15,15 +16,18 @@ ranks with the same position in their shard groups):
      replica group and divided by N/S, so every replica steps the same average over all N ranks.
      Ring cost: 2 (R-1)/R x Psi / S, R = N/S.
   3. step: each rank steps its shard, as stage 3; replicas compute the same update.
-At construction the shards of group 0 (rank 0's weights, as everywhere in zeroshard) are
-broadcast across each replica group, so every replica starts equal.
+Before the masters are taken, the shards of group 0 (rank 0's weights, as everywhere in
+zeroshard) are broadcast across each replica group (`sync_replicas`), so every replica starts equal.
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..dist import Comm
 from .groups import blocks, split, strided
-from .stage3 import Stage3
+from .layout import Unit
+from .strategies import Reduce
 
 
 def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
@@ -33,22 +37,32 @@ def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
         split(comm, strided(comm.world_size, size))
 
 
-class Stage3MiCS(Stage3):
-    """Stage 3 over the shard group (`comm`), plus the replica all-reduce of gradient shards."""
+class ReplicaReduce(Reduce):
+    """MiCS: the wrapped reduction inside the shard group, then at the accumulation boundary the
+    replica all-reduce of each gradient shard, divided by the number of replicas."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.replicas: Comm = self.options.mics_replicas
+    def __init__(self, inner: Reduce, replicas: Comm):
+        super().__init__(inner.comm)
+        self.inner = inner
+        self.replicas = replicas
 
-    def reduce_gradients(self) -> None:
-        """As stage 3, then average the gradient shards over the replica groups."""
-        super().reduce_gradients()
+    def start(self, buffer: torch.Tensor, unit: Unit):
+        """The shard group's reduction (the wrapped one)."""
+        return self.inner.start(buffer, unit)
+
+    def finish_boundary(self, units: list[Unit], grad_shards: dict[int, torch.Tensor]) -> None:
+        """Average the gradient shards over the replica groups."""
+        self.inner.finish_boundary(units, grad_shards)
         if self.replicas.world_size == 1:
             return
-        for unit in self.units:
-            shard = self.grad_shards[unit.index]
+        for unit in units:
+            shard = grad_shards[unit.index]
             self.replicas.all_reduce(shard, unit=unit)
             shard.mul_(1.0 / self.replicas.world_size)
+
+    def close(self) -> None:
+        """The wrapped reduction's groups."""
+        self.inner.close()
 
 
 def sync_replicas(units, persistent: set[int], replicas: Comm) -> None:
@@ -59,7 +73,7 @@ def sync_replicas(units, persistent: set[int], replicas: Comm) -> None:
 
 def replica_targets(opt) -> tuple[int, int] | None:
     """For checkpoints: (shard world, shard rank) when the optimizer shards over MiCS groups."""
-    if isinstance(getattr(opt, "policy", None), Stage3MiCS):
+    if isinstance(getattr(getattr(opt, "policy", None), "reducer", None), ReplicaReduce):
         return opt.comm.world_size, opt.comm.rank
     return None
 

@@ -27,13 +27,13 @@ class Stage3Options:
     max_reuse_distance: int = 1_000_000_000
     """Keep a unit gathered if it is needed again within this many elements of other units."""
     hpz_partition_size: int = 1
-    """zero_hpz_partition_size: > 1 keeps secondary shards in groups of this many ranks (`hpz.py`)."""
+    """zero_hpz_partition_size: > 1 keeps secondary shards in groups of this many ranks (`zeropp/hpz.py`)."""
     mics_replicas: Comm | None = None
     """mics_shard_size: the replica group's Comm when the policy's Comm is a MiCS shard group
     (`mics.py`); None: sharded over the whole world."""
     quantized_weights: bool = False
     """`zero_quantized_weights` (ZeRO++ qwZ): the forward/backward gathers of sharded units send
-    int8 blocks (`quantized_comm.py`)."""
+    int8 blocks (`zeropp/qwz.py`)."""
     quantized_gradients: bool = False
     """`zero_quantized_gradients` (ZeRO++ qgZ): gradients are reduced inside each host, then
     across hosts int8-quantized (more than one host only)."""

@@ -26,13 +26,16 @@ Communication plan, per micro-step (each collective names its unit to the desync
      all-gathered as at stage 2; sharded units need nothing (their next use gathers them).
 Total per micro-step: 3 x Psi x (N-1)/N, as in the ZeRO paper.
 
-ZeRO++ (`quantized_comm.py`): under `zero_quantized_weights` (qwZ) the gathers of steps 1-2 send
+How a unit is gathered and how its gradient is reduced are strategies the policy is built with
+(`strategies.py`; composed in `stages.py`): plain, or ZeRO++'s (`zeropp/`), or MiCS's (`mics.py`).
+ZeRO++: under `zero_quantized_weights` (qwZ) the gathers of steps 1-2 send
 int8 blocks with fp32 scales (about Psi x (1 + 4/256) bytes instead of Psi x element size per
 gather); gathers whose weights a user reads (GatheredParameters, `close`) and the persistent
 units stay exact. Under `zero_quantized_gradients` (qgZ) with more than one host, step 3 reduces
 inside the host in full precision, then across hosts int8-quantized; a unit's cross-host
 exchange starts when the next unit's reduction launches and is waited one launch later, so it
-runs during the backward of the units after it.
+runs during the backward of the units after it. Under `zero_hpz_partition_size` (hpZ) the gathers
+between a unit's forward and the step stay inside its host (`zeropp/hpz.py`).
 """
 
 from __future__ import annotations
@@ -45,11 +48,10 @@ from .deepspeed_views import add_external_parameters_method
 from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
-from .quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan
-from .quantized_comm import HostGroups, block_plan, quantized_all_gather
 from .schedule import Schedule
 from .shard_store import ShardStore
 from .spec import StageSpec
+from .strategies import Gather, Reduce
 from .stage2 import Stage2
 from .streams import Streams
 
@@ -60,12 +62,16 @@ class Stage3(Stage2):
     stage = 3
 
     def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *, layout: Stage3Layout,
-                 store: ShardStore | None = None, module: torch.nn.Module | None = None,
+                 store: ShardStore | None = None, gather: Gather | None = None,
+                 reducer: Reduce | None = None, module: torch.nn.Module | None = None,
                  syncs=None, early=None):
         """`layout`: the units' modules and persistent units (`partition.py`); `store`: where the
         sharded units' shards live (`offload/param.py`; None: on the compute device), made from
-        the shards in the compute dtype."""
+        the shards in the compute dtype; `gather` / `reducer`: the strategies
+        (`strategies.py`; None: plain)."""
         self.layout = layout
+        self.gather = gather if gather is not None else Gather(comm)
+        self.reducer = reducer if reducer is not None else Reduce(comm)
         self.options = spec.stage3
         self.by_index = {u.index: u for u in units}
         self.sharded = {u.index for u in units if u.index not in layout.persistent}
@@ -84,12 +90,6 @@ class Stage3(Stage2):
         self.store = store if store is not None else \
             ShardStore([u for u in units if u.index in self.sharded])
         self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
-        self.host_groups: HostGroups | None = None  # qgZ's process groups (made in _attach)
-        self.block_plans: dict[tuple[int, int], BlockPlan] = {}  # (unit, block) -> qwZ/qgZ plan
-        #: qwZ: unit index -> its gather, whose int8 rows stay readable while the unit is
-        #: gathered (`rows_packed`); kept only where `keeps_packed` (hpZ's secondary shards).
-        self.packed: dict[int, object] = {}
-        self.keeps_packed = False
         super().__init__(units, comm, spec, module=module, syncs=syncs, early=early)
 
     # -- ownership -----------------------------------------------------------------------------
@@ -107,6 +107,7 @@ class Stage3(Stage2):
 
     def write_owned(self, unit: Unit, values: torch.Tensor) -> None:
         """Set the owned slice (the shard, wherever it is placed) from `values`."""
+        self.gather.forget(unit.index)
         if unit.index in self.sharded:
             self.store.write(unit, values)
         else:
@@ -115,13 +116,14 @@ class Stage3(Stage2):
     def param_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: shards, plus full buffers of gathered units."""
         return [u.shard if u.index in self.sharded else u.flat for u in self.units] + \
-            [u.flat for u in self.units if u.index in self.sharded and u.is_gathered]
+            [u.flat for u in self.units if u.index in self.sharded and u.is_gathered] + \
+            self.gather.tensors()
 
     def placed_param_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Offloaded shards under their placement; persistent and gathered units on the device."""
         placed = {self.store.name: self.store.tensors()}
         device = [u.flat for u in self.units if u.index not in self.sharded or u.is_gathered]
-        placed.setdefault("device", []).extend(device)
+        placed.setdefault("device", []).extend(device + self.gather.tensors())
         return placed
 
     def nvme_bytes(self) -> int:
@@ -161,16 +163,12 @@ class Stage3(Stage2):
         self.pending[unit.index] = _Gather(handle, self.store, unit)
 
     def _gather(self, flat: torch.Tensor, source: torch.Tensor, unit: Unit, exact: bool):
-        """Start the all-gather of `unit`'s shards into `flat`: quantized under qwZ unless
-        `exact` (weights a user reads or modifies: GatheredParameters, close)."""
-        if self.options.quantized_weights and not exact and self.comm.world_size > 1:
+        """Start filling `flat` through the gather strategy; `exact`: weights a user reads or
+        modifies (GatheredParameters, close), never quantized."""
+        handle, lossy = self.gather.start(flat, source, unit, exact)
+        if lossy:
             self.lossy.add(unit.index)
-            gather = quantized_all_gather(self.comm, flat, source, async_op=True, unit=unit,
-                                          plan=self._block_plan(unit, WEIGHT_BLOCK))
-            if self.keeps_packed:
-                self.packed[unit.index] = gather
-            return gather
-        return self.comm.all_gather(flat, source, async_op=True, unit=unit)
+        return handle
 
     def unshard(self, indices, exact: bool = False) -> None:
         """Make the listed sharded units whole on this rank (waits for them); `exact`: with the
@@ -199,7 +197,7 @@ class Stage3(Stage2):
             handle.wait()  # never free storage a collective is still writing
         unit.release(self.gathered_pool, detach=detach)
         self.lossy.discard(index)
-        self.packed.pop(index, None)
+        self.gather.released(index)
         self.live_numel -= unit.padded_numel
 
     def reshard_all(self) -> None:
@@ -229,8 +227,6 @@ class Stage3(Stage2):
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)
         self._guard_saving()
-        if self.options.quantized_gradients:
-            self.host_groups = HostGroups.for_comm(self.comm)
         for module in self.layout.modules:
             needs = self.layout.needs[id(module)]
             borrowed = self.layout.borrowed.get(id(module), [])
@@ -294,7 +290,13 @@ class Stage3(Stage2):
             self._release_after_forward(index, wants_backward)
 
     def _release_after_forward(self, index: int, wants_backward: bool) -> None:
-        """A unit's forward use is over: free it (hpZ, `hpz.py`, first keeps a secondary shard)."""
+        """A unit's forward use is over: free it, after the gather strategy kept what makes its
+        backward gather cheaper (hpZ's secondary shard). An engine without an optimizer never
+        steps, so it would never drop them: it keeps none."""
+        unit = self.by_index[index]
+        if self.keeps_gradients and wants_backward and index in self.sharded and \
+                unit.is_gathered and index not in self.pending and not self.pinned.get(index):
+            self.gather.keep(unit, index in self.lossy)
         self.reshard(index)
 
     # -- backward ----------------------------------------------------------------------------------
@@ -329,19 +331,9 @@ class Stage3(Stage2):
         super()._launch_unit(unit)
         self.reshard(unit.index)
 
-    def _block_plan(self, unit: Unit, block: int) -> BlockPlan:
-        """`unit`'s quantization blocks (cut at its parameters' starts), made once."""
-        key = (unit.index, block)
-        if key not in self.block_plans:
-            self.block_plans[key] = block_plan(unit, block)
-        return self.block_plans[key]
-
     def _reduce_scatter(self, buffer: torch.Tensor, unit: Unit):
-        """qgZ across hosts (`quantized_comm.py`); otherwise stage 2's reduce-scatter."""
-        if self.host_groups is not None:
-            return self.host_groups.reduce_scatter(buffer, unit=unit,
-                                                   plan=self._block_plan(unit, GRADIENT_BLOCK))
-        return super()._reduce_scatter(buffer, unit)
+        """Through the reduce strategy (plain, or qgZ across hosts)."""
+        return self.reducer.start(buffer, unit)
 
     def _end_of_backward(self) -> None:
         for unit in self.units:
@@ -353,11 +345,15 @@ class Stage3(Stage2):
 
     # -- interface -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        """Free anything still gathered (every backward already reduce-scattered its units)."""
+        """Free anything still gathered (every backward already reduce-scattered its units); the
+        reduce strategy finishes the window (MiCS: across the replicas)."""
         self.reshard_all()
+        self.reducer.finish_boundary(self.units, self.grad_shards)
 
     def gather_params(self) -> None:
-        """All-gather the persistent units (and pinned ones); the rest wait for their next use."""
+        """All-gather the persistent units (and pinned ones); the rest wait for their next use.
+        What the gather strategy kept of the old weights is dropped first (its memory goes back)."""
+        self.gather.forget()
         self.store.flush()  # updated shards written back (NVMe) before anyone reads them
         for index in sorted(self.layout.persistent):
             unit = self.by_index[index]
@@ -377,6 +373,7 @@ class Stage3(Stage2):
         self.active.clear()
         super().reset()
         self.reshard_all()
+        self.gather.forget()
 
     def pin(self, indices) -> None:
         """Gather the listed units and keep them gathered until `unpin` (GatheredParameters)."""
@@ -394,6 +391,7 @@ class Stage3(Stage2):
 
     def commit(self, unit: Unit) -> None:
         """Copy this rank's slice of a gathered unit's (changed) full buffer into its shard."""
+        self.gather.forget(unit.index)
         if unit.index in self.sharded and unit.is_gathered:
             self.store.write(unit, unit.flat[slice(*unit.shard_bounds(self.comm.rank))])
             self.store.flush()
@@ -410,9 +408,8 @@ class Stage3(Stage2):
                 self.unshard(sorted(self.sharded), exact=True)
         finally:
             self.store.close()
-            if self.host_groups is not None:
-                self.host_groups.destroy()
-                self.host_groups = None
+            self.gather.close()
+            self.reducer.close()
 
 
 class _Gather:

@@ -1,4 +1,5 @@
-"""Building one stage: the units of the layout, then the policy over them, from a `StageSpec`.
+"""Building one stage: the units of the layout, then the policy over them with its strategies,
+from a `StageSpec`.
 
 `build.py` calls `lay_out` first (the units, full precision, already holding rank 0's values),
 takes the masters from `owned_slices`, casts the units, and then calls `make_policy`.
@@ -20,6 +21,12 @@ from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
 from .stage3 import Stage3
+from .strategies import Gather, Reduce
+from .mics import ReplicaReduce
+from .zeropp.collectives import HostGroups
+from .zeropp.hpz import SecondaryGather
+from .zeropp.qgz import HierarchicalReduce
+from .zeropp.qwz import QuantizedGather
 
 POLICIES = {0: Stage0, 1: Stage1, 2: Stage2}
 
@@ -64,14 +71,29 @@ def owned_slices(units: list[Unit], stage: int, rank: int,
 def make_policy(units: list[Unit], comm: Comm, spec: StageSpec, *, module: nn.Module,
                 layout: Stage3Layout | None = None, store=None, syncs=None,
                 early=None) -> StagePolicy:
-    """The stage policy `spec` describes; at stage 3 plain, with hpZ's secondary shards
-    (zero_hpz_partition_size > 1) or over a MiCS shard group (mics_shard_size > 0)."""
+    """The stage policy `spec` describes; at stage 3 with its gather and reduce strategies."""
     common = dict(module=module, syncs=syncs, early=early)
     if spec.stage < 3:
         return POLICIES[spec.stage](units, comm, spec, **common)
-    cls = Stage3
-    if spec.stage3.mics_replicas is not None:
-        from .mics import Stage3MiCS as cls
-    elif spec.stage3.hpz_partition_size > 1:
-        from .hpz import Stage3HPZ as cls
-    return cls(units, comm, spec, layout=layout, store=store, **common)
+    return Stage3(units, comm, spec, layout=layout, store=store, gather=_gather(comm, spec),
+                  reducer=_reducer(comm, spec), **common)
+
+
+def _gather(comm: Comm, spec: StageSpec) -> Gather:
+    """Plain or qwZ; wrapped by hpZ when zero_hpz_partition_size > 1."""
+    options = spec.stage3
+    gather = QuantizedGather(comm) if options.quantized_weights else Gather(comm)
+    if options.hpz_partition_size > 1:
+        gather = SecondaryGather(gather, options.hpz_partition_size)
+    return gather
+
+
+def _reducer(comm: Comm, spec: StageSpec) -> Reduce:
+    """Plain or qgZ (where more than one host makes it change anything); wrapped by MiCS's
+    replica all-reduce when the policy's Comm is a MiCS shard group."""
+    options = spec.stage3
+    groups = HostGroups.for_comm(comm) if options.quantized_gradients else None
+    reducer = HierarchicalReduce(groups) if groups is not None else Reduce(comm)
+    if options.mics_replicas is not None:
+        reducer = ReplicaReduce(reducer, options.mics_replicas)
+    return reducer

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 
 from ..dist import HostLayout
-from ..core.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, packed_size
+from ..core.zeropp.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, packed_size
 
 #: Bytes per element on the wire under qwZ / qgZ (int8 + one fp32 scale per block).
 QWZ_BYTES = packed_size(WEIGHT_BLOCK * 1024, WEIGHT_BLOCK) / (WEIGHT_BLOCK * 1024)

@@ -36,8 +36,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..dist import Comm
-from .groups import blocks, split, strided
+from ...dist import Comm
+from ..groups import blocks, split, strided
 from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize, dequantize_into,
                        packed_size, quantize, quantize_into)
 

@@ -109,6 +109,26 @@ def _diverge(rank, world, kind):
     return _outcome(run)
 
 
+def _skip_step(rank, world, stage):
+    """Rank 1 skips engine.step() once (it runs one more backward than its step count says)."""
+    from zeroshard.dist.process_group import steps_agree
+
+    engine, _ = _engine(stage)
+    batches = make_batches(4, 2 * world)
+
+    def run():
+        for step, batch in enumerate(batches):
+            tokens, targets = micro_slice(batch, 0, rank, world, 2)
+            engine.backward(lm_loss(engine(tokens), targets))
+            if not (step == 1 and rank == 1):
+                engine.step()
+
+    out = _outcome(run)
+    if out["error"] is None:  # stage 0: no collective tells; the exit check does
+        out["at_exit"] = steps_agree(timeout_s=30)
+    return out
+
+
 def _count_collectives(rank, world, stage, timeout):
     """torch.distributed calls in one micro-step (forward + backward) and in one step()."""
     engine, _ = _engine(stage, timeout)
@@ -146,8 +166,11 @@ def _count_collectives(rank, world, stage, timeout):
 
 def _fresh_group(rank, world, name):
     """A new default group over the same store (the old one is left unusable after a desync)."""
+    from zeroshard.dist.process_group import PHASE_COUNTS
+
     store = dist.distributed_c10d._get_default_store()
     dist.destroy_process_group()
+    PHASE_COUNTS.clear()  # the ranks' step counts start over with the new group, as in a new job
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             store=dist.PrefixStore(name, store),
                             timeout=datetime.timedelta(seconds=120))
@@ -162,6 +185,9 @@ def _all(rank, world, save_dir):
         where = os.path.join(save_dir, str(stage))
         out[f"save{stage}"] = _emergency_save(rank, world, stage, where)
         _fresh_group(rank, world, f"save{stage}")
+    for stage in (0, 1, 2, 3):
+        out[f"skip_step{stage}"] = _skip_step(rank, world, stage)
+        _fresh_group(rank, world, f"skip_step{stage}")
     for kind in ("skip_block", "step_only", "busy"):
         out[kind] = _diverge(rank, world, kind)
         _fresh_group(rank, world, kind)
@@ -179,7 +205,8 @@ def _exit_entry(rank, world, port, out_dir):
     tokens, targets = micro_slice(make_batches(1, 2 * world)[0], 0, rank, world, 2)
 
     def run():
-        engine, _ = _engine(2)
+        # A long timeout: a known-dead peer must not cost the 30 s wait for its report.
+        engine, _ = _engine(2, timeout=300)
         if rank == 1:
             os._exit(3)  # a crash: no exception, no report, connections closed by the kernel
         engine.backward(lm_loss(engine(tokens), targets))
@@ -259,6 +286,25 @@ def test_diverging_paths_give_a_readable_error(results, kind):
         assert "in optimizer step" in results[0][0][kind]["error"].split("rank 1: ", 1)[1]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_skipped_step_is_a_desync_naming_the_steps(results, stage):
+    for rank, got in enumerate(results[0]):
+        message = got[f"skip_step{stage}"]["error"]
+        assert message is not None, f"rank {rank} trained on after a skipped step at stage {stage}"
+        assert "The ranks are at different steps: rank 0 after " in message, message
+        assert "a rank skipped engine.step()" in message
+        assert got[f"skip_step{stage}"]["seconds"] < 2 * TIMEOUT + 10
+
+
+def test_a_skipped_step_at_stage_0_fails_the_exit_check(results):
+    for got in results[0]:
+        assert got["skip_step0"]["error"] is None  # the all-reduces still pair: no desync
+        message = got["skip_step0"]["at_exit"]
+        assert message is not None, "the ranks' differing step counts passed the exit check"
+        assert "rank 0: 4 optimizer steps after 4 backward passes" in message, message
+        assert "rank 1: 3 optimizer steps after 4 backward passes" in message, message
+
+
 def test_a_busy_peer_is_named_not_responding(results):
     message = results[0][0]["busy"]["error"]
     assert message is not None and "no collective completed within" in message
@@ -270,10 +316,14 @@ def test_a_peer_that_exits_is_named(results):
     exited = results[2]
     assert exited is not None, f"rank 0 of the exit world wrote no result ({results[3]})"
     message = exited["error"]
-    assert message is not None and "rank 1: not responding" in message
+    assert message is not None and "rank 1: dead (its process " in message, message
+    assert "on this host has ended)" in message
     # The collective failed as soon as the peer's connection closed: the true time is reported.
     waited = float(message.split("collective failed after ", 1)[1].split("s:", 1)[0])
     assert waited < TIMEOUT
+    # ... and the dead peer's report was not waited for (30 s before; measured ~0.3 s).
+    assert exited["seconds"] < 10, exited["seconds"]
+    assert "reported" not in message.split("rank 0: ", 1)[1].split("; rank 1: ", 1)[0]
     assert exited["exitcode"] == 0  # the rank then left normally, without hanging or aborting
 
 

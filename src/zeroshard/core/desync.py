@@ -42,16 +42,25 @@ import collections
 import ctypes
 import datetime
 import json
+import os
 import socket
 import threading
 import time
 
 import torch.distributed as dist
 
+from ..dist.process_group import describe_step_counts, step_counts
+
 #: Longest wait for the peers' entries once a rank is stuck.
 PEER_WAIT_S = 30.0
 #: How often the NCCL poller looks at the oldest outstanding collective.
 POLL_S = 1.0
+#: After a collective failed on a closed or reset connection (a peer's process is gone), how long
+#: a silent peer on another host still gets to report (same-host peers are checked by pid).
+DEAD_PEER_GRACE_S = 3.0
+#: Errors of a collective that say a peer's connection closed: its process is gone.
+_CONNECTION_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                    "connection refused", "end of file")
 
 
 class DesyncError(RuntimeError):
@@ -81,6 +90,17 @@ class Watchdog:
         self.outstanding = collections.deque()  # (work, ticket), polled backends only
         self.poller: threading.Thread | None = None
         self.lock = threading.Lock()
+        self._announce()
+
+    def _announce(self) -> None:
+        """Publish this rank's host and pid once (a peer that finds the pid gone on its own host
+        knows this rank is dead instead of waiting for its report); no store, no announcement."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(self.prefix + f"proc/{self.comm._ranks[self.comm.rank]}",
+                      json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        except Exception:  # noqa: BLE001 - the diagnosis then waits for reports as before
+            pass
 
     # -- the hot path ----------------------------------------------------------------------------
     def issued(self, kind: str, unit=None) -> tuple:
@@ -88,7 +108,7 @@ class Watchdog:
         if self.verdict is not None:
             raise DesyncError(self.verdict)
         self.count += 1
-        ticket = (self.count, kind, unit, self.phase, time.monotonic())
+        ticket = (self.count, kind, unit, self.phase, time.monotonic(), step_counts())
         self.last = ticket
         return ticket
 
@@ -140,7 +160,7 @@ class Watchdog:
         mine = {"op": self.describe(ticket), "waited": round(now - start, 2),
                 "issued": round(now - ticket[4], 2), "wall": time.time(),
                 "error": _first_line(err) if err is not None else None,
-                "host": socket.gethostname()}
+                "host": socket.gethostname(), "steps": list(ticket[5])}
         if self.last is not None and self.last[0] != ticket[0]:
             mine["last"] = self.describe(self.last)
         entries = {rank: mine}
@@ -148,20 +168,29 @@ class Watchdog:
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set(self.prefix + str(self.comm._ranks[rank]), json.dumps(mine))
-            entries.update(self._read_peers(store))
+            lost = err is not None and any(k in str(err).lower() for k in _CONNECTION_LOST)
+            found, dead = self._read_peers(store, lost)
+            entries.update(found)
             self._let_peers_read(store, mine["wall"], [p for p in entries if p != rank])
         except Exception as store_err:  # noqa: BLE001 - the report must still come out
             problem = f"the rendezvous store could not be used ({_first_line(store_err)})"
+            dead = {}
         lines = []
         for peer in range(world):
             entry = entries.get(peer)
-            lines.append(f"rank {peer}: " + (_say(entry, time.time()) if entry else
-                                             "not responding (no report: it exited, crashed, or "
-                                             "is busy outside any collective)"))
+            if entry:
+                lines.append(f"rank {peer}: " + _say(entry, time.time(), own=peer == rank))
+            elif peer in dead:
+                lines.append(f"rank {peer}: dead ({dead[peer]})")
+            else:
+                lines.append(f"rank {peer}: not responding (no report: it exited, crashed, or "
+                             "is busy outside any collective)")
+        counts = {tuple(e["steps"]) for e in entries.values() if e.get("steps") is not None}
+        steps = f". {_step_disagreement(entries)}" if len(counts) > 1 else ""
         cause = (f"collective failed after {now - start:.1f}s: {mine['error']}" if err is not None
                  else f"no collective completed within zeroshard_desync_timeout="
                       f"{self.timeout_s:g}s")
-        return (f"ranks are desynchronised (rank {rank}: {cause}). " + "; ".join(lines) +
+        return (f"ranks are desynchronised (rank {rank}: {cause}). " + "; ".join(lines) + steps +
                 (f". Note: {problem}" if problem else "") +
                 ". Every rank must issue the same collectives in the same order: the same modules "
                 "in forward, backward on every rank, the same number of micro-steps, and "
@@ -169,11 +198,18 @@ class Watchdog:
                 "an exception handler on one rank). This process group cannot be used any more: "
                 "restart from the last checkpoint.")
 
-    def _read_peers(self, store) -> dict[int, dict]:
-        """Every peer's entry that is new to this rank, waiting up to PEER_WAIT_S for them."""
+    def _read_peers(self, store, connection_lost: bool = False) -> tuple[dict, dict]:
+        """Every peer's entry that is new to this rank, waiting up to PEER_WAIT_S for them, and
+        the peers known dead ({peer: why}), which are not waited for: a peer on this host whose
+        process is gone, and, once this rank's collective failed on a lost connection, peers
+        that stay silent past DEAD_PEER_GRACE_S."""
         found: dict[int, dict] = {}
-        deadline = time.monotonic() + min(self.timeout_s, PEER_WAIT_S)
+        dead: dict[int, str] = {}
+        start = time.monotonic()
+        deadline = start + min(self.timeout_s, PEER_WAIT_S)
         peers = [p for p in range(self.comm.world_size) if p != self.comm.rank]
+        procs: dict[int, dict] = {}
+        checked = 0.0
         while True:
             for peer in peers:
                 key = self.prefix + str(self.comm._ranks[peer])
@@ -183,9 +219,46 @@ class Watchdog:
                 if raw != self.seen.get(peer):
                     self.seen[peer] = raw
                     found[peer] = json.loads(raw)
-            if len(found) == len(peers) or time.monotonic() > deadline:
-                return found
+                    dead.pop(peer, None)
+            now = time.monotonic()
+            if now - checked > 0.25:  # a few cheap looks per second at the silent peers
+                checked = now
+                for peer in peers:
+                    if peer not in found and peer not in dead:
+                        why = self._gone(store, peer, procs)
+                        if why is not None:
+                            dead[peer] = why
+            waiting = [p for p in peers if p not in found and p not in dead]
+            if connection_lost and now - start > DEAD_PEER_GRACE_S:
+                for peer in waiting:  # a silent peer behind a lost connection: not waited for
+                    dead[peer] = ("no report within "
+                                  f"{DEAD_PEER_GRACE_S:g}s after a connection was lost: its "
+                                  "process is gone or cut off")
+                waiting = []
+            if not waiting or now > deadline:
+                return found, dead
             time.sleep(0.05)
+
+    def _gone(self, store, peer: int, procs: dict) -> str | None:
+        """Why `peer` is known dead (its announced pid is gone on this host), or None."""
+        if peer not in procs:
+            key = self.prefix + f"proc/{self.comm._ranks[peer]}"
+            try:
+                procs[peer] = json.loads(store.get(key)) if store.check([key]) else {}
+            except Exception:  # noqa: BLE001 - unknown: keep waiting for its report
+                procs[peer] = {}
+        proc = procs[peer]
+        if proc.get("host") != socket.gethostname() or not proc.get("pid"):
+            return None
+        try:
+            os.kill(int(proc["pid"]), 0)
+        except ProcessLookupError:
+            return f"its process {proc['pid']} on this host has ended"
+        except PermissionError:
+            return None
+        if _zombie(int(proc["pid"])):
+            return f"its process {proc['pid']} on this host has ended"
+        return None
 
     def _let_peers_read(self, store, since: float, peers: list[int]) -> None:
         """Say this rank has read the entries; wait (briefly) until the peers that reported have
@@ -199,12 +272,17 @@ class Watchdog:
                 time.sleep(0.05)
 
     def describe(self, ticket: tuple) -> str:
-        """`reduce-scatter #12 of unit 3 (blocks.1: ...) in backward`."""
-        count, kind, unit, phase, _ = ticket
+        """`reduce-scatter #12 of unit 3 (blocks.1: ...) in backward, after 2 optimizer steps
+        and 3 backward passes`."""
+        count, kind, unit, phase = ticket[:4]
         text = f"{kind} #{count}"
         if unit is not None:
             text += f" of {unit.describe() if hasattr(unit, 'describe') else unit}"
-        return text + (f" in {phase}" if phase else "")
+        text += f" in {phase}" if phase else ""
+        if len(ticket) > 5 and any(ticket[5]):
+            steps, backwards = ticket[5]
+            text += f", after {steps} optimizer steps and {backwards} backward passes"
+        return text
 
     # -- device backends -------------------------------------------------------------------------
     def _poll(self) -> None:
@@ -228,17 +306,35 @@ class Watchdog:
                 pass
 
 
-def _say(entry: dict, now_wall: float) -> str:
-    """One rank's entry as text."""
+def _say(entry: dict, now_wall: float, own: bool = False) -> str:
+    """One rank's entry as text (the age of a peer's report when it is old news)."""
     text = f"waiting {entry['waited']:.1f}s for {entry['op']}"
     if entry.get("error"):
         text += f", which failed: {entry['error']}"
     if entry.get("last"):
         text += f" (last issued: {entry['last']})"
     age = now_wall - entry.get("wall", now_wall)
-    if age > 5:
+    if age > 5 and not own:
         text += f" [reported {age:.0f}s ago]"
     return text
+
+
+def _step_disagreement(entries: dict[int, dict]) -> str:
+    """"The ranks are at different steps: rank 0 after ..., rank 1 after ...: a rank skipped"."""
+    each = ", ".join(f"rank {p} after {entries[p]['steps'][0]} optimizer steps and "
+                     f"{entries[p]['steps'][1]} backward passes"
+                     for p in sorted(entries) if entries[p].get("steps") is not None)
+    return (f"The ranks are at different steps: {each}; a rank skipped engine.step() or "
+            "engine.backward(), or ran an extra one")
+
+
+def _zombie(pid: int) -> bool:
+    """Whether `pid` has ended and waits to be reaped (Linux /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(") ", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _first_line(err) -> str:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .hostpolicy import HostMemoryError, call_site, is_host, strict_host  # noqa: F401
-from .process_group import leave_cleanly_at_exit
+from .process_group import PHASE_COUNTS, leave_cleanly_at_exit, step_counts
 from .topology import HostLayout
 
 # torch >= 2.13 renamed the tensor collectives; older releases only have the *_tensor names.
@@ -194,7 +194,9 @@ class Comm:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Label the collectives issued inside (e.g. "save_checkpoint") in desync reports."""
+        """Label the collectives issued inside (e.g. "save_checkpoint") in desync reports, and
+        count the phase (backward passes and optimizer steps go into every tag: `next_tag`)."""
+        PHASE_COUNTS[name] += 1
         watch = self.watch
         if watch is None:
             yield
@@ -213,9 +215,16 @@ class Comm:
         collective, their messages then carry different tags and never pair up: they wait (and
         the desync watchdog reports it) instead of exchanging the wrong unit's bytes, or
         aborting the process inside gloo when the sizes differ.
+
+        The count is offset by this process's optimizer steps and backward passes
+        (`step_counts`): a rank that skipped `engine.step()` (or ran an extra backward) issues
+        the same collectives with other tags, so they are never paired across steps (at stage 1
+        four steps were, before gloo failed); they wait, and the watchdog names the ranks' steps.
         """
         self._tag = (self._tag + 1) % (1 << 18)
-        return (kind << 30) | (self._tag << 12) | (getattr(unit, "index", 4095) % 4096)
+        steps, backwards = step_counts()
+        count = (self._tag + 4099 * backwards + 65521 * steps) % (1 << 18)
+        return (kind << 30) | (count << 12) | (getattr(unit, "index", 4095) % 4096)
 
     def _refuse_host(self, kind: str, *tensors: torch.Tensor) -> None:
         """Strict host mode: raise HostMemoryError if a tensor lives in host memory."""

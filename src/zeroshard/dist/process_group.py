@@ -8,13 +8,32 @@ one) in, groups destroyed cleanly at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
+import json
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+
+#: Engine phases entered so far in this process, by name ("backward", "optimizer step", ...;
+#: `Comm.phase` counts them). Every rank must run as many backward passes and optimizer steps:
+#: the counts travel in point-to-point tags (`Comm.next_tag`), label desync reports, and are
+#: compared at exit (`steps_agree`).
+PHASE_COUNTS: collections.Counter = collections.Counter()
+#: The phases whose counts must agree across ranks (a forward may run on one rank alone, e.g. an
+#: evaluation on rank 0 below stage 3).
+COUNTED = ("backward", "optimizer step")
+#: Longest wait at exit for the peers' counts (a peer that does not come has failed: no verdict).
+EXIT_WAIT_S = 10.0
+
+
+def step_counts() -> tuple[int, int]:
+    """(optimizer steps, backward passes) this process has run through an engine."""
+    return PHASE_COUNTS["optimizer step"], PHASE_COUNTS["backward"]
 
 
 #: A folder from `zeroshard run`: initialize() leaves a file there, so that a job handed a DeepSpeed
@@ -108,8 +127,53 @@ def _destroy_at_exit() -> None:
     if getattr(sys, "last_value", None) is not None:  # set by an uncaught exception
         return
     if dist.is_available() and dist.is_initialized():
+        problem = steps_agree()
         dist.destroy_process_group()
         _await_store_thread()
+        if problem is not None:
+            # Exiting 0 would report a run whose replicas differ as a success.
+            print(f"zeroshard: {problem}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def steps_agree(timeout_s: float = EXIT_WAIT_S) -> str | None:
+    """At a clean exit: every rank posts its step counts in the rendezvous store and reads the
+    others'; the text of a disagreement (naming ranks and counts), or None (agreement, one rank,
+    or a peer that did not come within `timeout_s`, which has failed and says so itself)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        rank = dist.get_rank()
+        prefix = f"zeroshard_exit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        store.set(f"{prefix}{rank}", json.dumps(step_counts()))
+        keys = [f"{prefix}{r}" for r in range(world)]
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        counts = [tuple(json.loads(store.get(k))) for k in keys]
+        store.set(f"{prefix}read/{rank}", "1")
+        if rank == 0:  # rank 0 serves the store: stay until every peer has read
+            store.wait([f"{prefix}read/{r}" for r in range(world)],
+                       datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - a peer gone, or no store: nothing to compare
+        return None
+    if len(set(counts)) == 1:
+        return None
+    return describe_step_counts(counts)
+
+
+def describe_step_counts(counts: list[tuple[int, int]]) -> str:
+    """"the ranks ran different numbers of steps (rank 0: 8 ...; rank 1: 7 ...)" and the advice."""
+    groups: dict[tuple, list[int]] = {}
+    for rank, count in enumerate(counts):
+        groups.setdefault(tuple(count), []).append(rank)
+    each = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {c[0]} "
+                     f"optimizer steps after {c[1]} backward passes" for c, r in groups.items())
+    return (f"the ranks ran different numbers of optimizer steps or backward passes ({each}), so "
+            "their replicas differ: a rank skipped engine.step() or engine.backward() (or ran an "
+            "extra one). Every rank must call both the same number of times; this run's weights "
+            "are not to be trusted")
 
 
 #: Name of the thread that serves torch's TCPStore (rank 0's rendezvous store).

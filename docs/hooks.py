@@ -5,7 +5,10 @@
   bench/results/latest.md; more.md: `bench/bench_zeropp.py`'s), added to the site as generated
   files (PNGs are not committed);
 - the command-line reference: `zeroshard <command> --help` of each command, put in place of the
-  `<!-- cli-help -->` comment of docs/reference/cli.md.
+  `<!-- cli-help -->` comment of docs/reference/cli.md;
+- lists written as GitHub renders them (the pages were the README): a list may follow its
+  paragraph without a blank line and nests by 2 spaces, where Python-Markdown wants a blank line
+  and 4 spaces. The hook adds both before rendering; the sources stay as they are.
 """
 
 from __future__ import annotations
@@ -137,6 +140,40 @@ def cli_help() -> str:
     return "\n".join(parts)
 
 
+# -- GitHub-style lists ---------------------------------------------------------------------------
+_ITEM = re.compile(r"^( *)([-*+]|\d+\.) ")
+
+
+def gfm_lists(markdown: str) -> str:
+    """Blank line before a list that follows a paragraph; list-internal indentation doubled."""
+    out: list[str] = []
+    fence = in_list = False
+    for line in markdown.split("\n"):
+        if line.lstrip(" ").startswith("```"):
+            fence = not fence
+            out.append(line)
+            continue
+        if fence:
+            out.append(line)
+            continue
+        stripped = line.lstrip(" ")
+        indent = len(line) - len(stripped)
+        item = _ITEM.match(line)
+        if not stripped:
+            out.append(line)
+            continue
+        if item and indent == 0:
+            if not in_list and out and out[-1].strip() and not out[-1].lstrip().startswith(("<!--", "|")):
+                out.append("")
+            in_list = True
+        elif indent == 0 and (not out or not out[-1].strip()):
+            in_list = False           # a paragraph after a blank line ends the list
+        if in_list and indent:
+            line = " " * (2 * indent) + stripped
+        out.append(line)
+    return "\n".join(out)
+
+
 # -- MkDocs events ---------------------------------------------------------------------------------
 def on_files(files, config):
     from mkdocs.structure.files import File
@@ -150,5 +187,5 @@ def on_files(files, config):
 
 def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri == "reference/cli.md" and "<!-- cli-help -->" in markdown:
-        return markdown.replace("<!-- cli-help -->", cli_help())
-    return markdown
+        markdown = markdown.replace("<!-- cli-help -->", cli_help())
+    return gfm_lists(markdown)

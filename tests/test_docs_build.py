@@ -51,3 +51,12 @@ def test_plot_data_is_read_from_the_committed_result_tables():
         assert {"ddp", "zeroshard-s3", "deepspeed-s3", "fsdp2-reshard"} <= impls
         assert all(float(r["step ms"]) > 0 for r in rows)
     assert any(r["variant"] == "zeroshard-s3-zpp" for r in hooks.zeropp_results())
+
+
+def test_github_style_lists_are_made_python_markdown_lists():
+    spec = importlib.util.spec_from_file_location("zeroshard_docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    src = "Text:\n- a\n  more\n  - nested\n\nafter\n```\n  - code\n```\n"
+    assert hooks.gfm_lists(src) == ("Text:\n\n- a\n    more\n    - nested\n\nafter\n```\n"
+                                    "  - code\n```\n")

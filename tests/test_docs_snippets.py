@@ -53,7 +53,7 @@ class Page:
 
 
 def pages() -> list[Page]:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    files = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     return [read_page(p) for p in files]
 
 

@@ -321,7 +321,7 @@ def test_a_peer_that_exits_is_named(results):
     # The collective failed as soon as the peer's connection closed: the true time is reported.
     waited = float(message.split("collective failed after ", 1)[1].split("s:", 1)[0])
     assert waited < TIMEOUT
-    # ... and the dead peer's report was not waited for (30 s before; measured ~0.3 s).
+    # ... and the dead peer's report was not waited for (30.1 s before; measured 0.04 s).
     assert exited["seconds"] < 10, exited["seconds"]
     assert "reported" not in message.split("rank 0: ", 1)[1].split("; rank 1: ", 1)[0]
     assert exited["exitcode"] == 0  # the rank then left normally, without hanging or aborting

@@ -36,6 +36,7 @@ from .core.reduction import Reduction, accumulation_dtype
 from .core.scaler import LossScaler
 from .core.spec import Stage3Options, StageSpec
 from .core.stages import lay_out, make_policy, owned_slices
+from .core.streams import Streams
 from .dist.process_group import mark_engaged
 from .engine import Engine, _compute_dtype
 from .offload.optimizer import make_placement
@@ -126,6 +127,7 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
     opt_comm, replicas = _mics_groups(model, comm, cfg)
     scaler = LossScaler.from_config(cfg.fp16)
     syncs = HostSyncs()
+    streams = Streams(device)  # the step's one owner of side streams and events
     group_of = {id(p): g for g, group in enumerate(torch_opt.param_groups)
                 for p in group["params"] if p.requires_grad}
     # Every rank starts from rank 0's weights (as DDP does), taken in full precision before the
@@ -143,17 +145,19 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                                    torch_opt, units, owned, dtype, rank=comm.rank,
                                    master_dtype=_master_dtype(cfg), syncs=syncs,
                                    clip_norm=cfg.gradient_clipping,
-                                   loss_scaling=scaler.enabled, shards_land=zero.stage >= 2)
+                                   loss_scaling=scaler.enabled, shards_land=zero.stage >= 2,
+                                   streams=streams)
     del owned
     for unit in units:
         unit.cast(dtype or unit.dtype)
     store = None
     if layout is not None:  # the shards move to their placement now they are in the compute dtype
         store = make_store(zero.offload_param, cfg.aio,
-                           [u for u in units if u.index not in layout.persistent], rank=comm.rank)
+                           [u for u in units if u.index not in layout.persistent], rank=comm.rank,
+                           streams=streams)
     spec = _stage_spec(cfg, placement, units, dtype, replicas)
     policy = make_policy(units, opt_comm, spec, module=model, layout=layout, store=store,
-                         syncs=syncs, early=placement.early)
+                         syncs=syncs, early=placement.early, streams=streams)
     return ZeroOptimizer(model, torch_opt, opt_comm, units, policy, placement,
                          clip_norm=cfg.gradient_clipping, scaler=scaler, syncs=syncs,
                          world_comm=comm)  # GatheredParameters' modifier_rank numbers the world

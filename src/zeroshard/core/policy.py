@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from ..dist import Comm, wait_all
 from .layout import Unit
 from .spec import StageSpec
+from .streams import Streams
 
 # Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the
 # next unit). Each one pins a unit-sized gradient buffer and (N-1)/N of it in receive buffers.
@@ -33,12 +34,14 @@ class StagePolicy:
     shards_optimizer = True
 
     def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *,
-                 module: torch.nn.Module | None = None, syncs=None, early=None):
+                 module: torch.nn.Module | None = None, syncs=None, early=None,
+                 streams: Streams | None = None):
         """Lay out gradient storage and hook the model, from `spec` (no later set-up phase).
 
         `syncs`: the optimizer's counter of host synchronization points (`hostsync.py`);
         `early`: under optimizer offload, the per-unit CPU step (`offload/early.py`) handed each
-        gradient shard as it becomes final in a boundary backward (stages 2-3), or None."""
+        gradient shard as it becomes final in a boundary backward (stages 2-3), or None;
+        `streams`: the step's side streams (`streams.py`; None: made here, for tests)."""
         self.units = units
         self.module = module
         self.comm = comm
@@ -50,6 +53,8 @@ class StagePolicy:
         self.keeps_gradients = spec.keeps_gradients
         self.syncs = syncs
         self.early = early
+        self.streams = streams if streams is not None else Streams(
+            units[0].compute_device if units else torch.device("cpu"))
         self.hooks = []
         self._attach()
 

@@ -44,7 +44,6 @@ from torch.utils._pytree import tree_leaves
 from .hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
 from .policy import MAX_IN_FLIGHT, StagePolicy
-from .streams import Streams
 
 
 class Stage2(StagePolicy):
@@ -95,9 +94,7 @@ class Stage2(StagePolicy):
             dtype = self._comm_dtype(unit)
             self.block_numel[dtype] = max(self.block_numel.get(dtype, 0), unit.padded_numel)
         self.pool: dict[torch.dtype, list[torch.Tensor]] = {}  # free blocks
-        # -- accelerator only (side streams; all empty on CPU) --
-        self.streams = Streams(self.units[0].compute_device if self.units else torch.device("cpu"),
-                               ("reduce",))
+        # -- accelerator only (side streams, `self.streams`; all empty on CPU) --
         self.block_event: dict[int, object] = {}  # block data_ptr -> side-stream use to wait for
         self.reduce_done = None  # event after the last landing queued on the side stream
         self.keep_alive: list = []  # buffers and handles the side stream may still read

@@ -53,7 +53,6 @@ from .shard_store import ShardStore
 from .spec import StageSpec
 from .strategies import Gather, Reduce
 from .stage2 import Stage2
-from .streams import Streams
 
 
 class Stage3(Stage2):
@@ -64,7 +63,7 @@ class Stage3(Stage2):
     def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *, layout: Stage3Layout,
                  store: ShardStore | None = None, gather: Gather | None = None,
                  reducer: Reduce | None = None, module: torch.nn.Module | None = None,
-                 syncs=None, early=None):
+                 syncs=None, early=None, streams=None):
         """`layout`: the units' modules and persistent units (`partition.py`); `store`: where the
         sharded units' shards live (`offload/param.py`; None: on the compute device), made from
         the shards in the compute dtype; `gather` / `reducer`: the strategies
@@ -90,7 +89,8 @@ class Stage3(Stage2):
         self.store = store if store is not None else \
             ShardStore([u for u in units if u.index in self.sharded])
         self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
-        super().__init__(units, comm, spec, module=module, syncs=syncs, early=early)
+        super().__init__(units, comm, spec, module=module, syncs=syncs, early=early,
+                         streams=streams)
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -222,7 +222,6 @@ class Stage3(Stage2):
     def _attach(self) -> None:
         """Stage-2 gradient machinery plus gather/release hooks on every unit module."""
         super()._attach()
-        self.streams = Streams(self.streams.device, ("reduce", "gather"))
         for unit in self.units:  # persistent units are whole; sharded ones are released
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)

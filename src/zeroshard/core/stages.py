@@ -70,9 +70,9 @@ def owned_slices(units: list[Unit], stage: int, rank: int,
 
 def make_policy(units: list[Unit], comm: Comm, spec: StageSpec, *, module: nn.Module,
                 layout: Stage3Layout | None = None, store=None, syncs=None,
-                early=None) -> StagePolicy:
+                early=None, streams=None) -> StagePolicy:
     """The stage policy `spec` describes; at stage 3 with its gather and reduce strategies."""
-    common = dict(module=module, syncs=syncs, early=early)
+    common = dict(module=module, syncs=syncs, early=early, streams=streams)
     if spec.stage < 3:
         return POLICIES[spec.stage](units, comm, spec, **common)
     return Stage3(units, comm, spec, layout=layout, store=store, gather=_gather(comm, spec),

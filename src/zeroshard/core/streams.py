@@ -15,10 +15,17 @@ import contextlib
 import torch
 
 
-class Streams:
-    """The side streams of one owner (a stage policy, an offload placement) on one device."""
+#: The step's side streams: gradient landings (stages 2-3), stage-3 gathers, read-ahead copies of
+#: offloaded parameter shards to the device.
+STEP_STREAMS = ("reduce", "gather", "h2d")
 
-    def __init__(self, device: torch.device, names: tuple[str, ...] = ("copy",)):
+
+class Streams:
+    """The side streams and events of one engine's step on one device, made once by `build.py`
+    and handed to every part that queues work off the compute stream (the stage policy, the
+    parameter store, the optimizer placement): one owner, one place to test the ordering."""
+
+    def __init__(self, device: torch.device, names: tuple[str, ...] = STEP_STREAMS):
         self.device = device
         #: Real streams only on an accelerator; None on CPU.
         self.active = device.type != "cpu" and hasattr(torch, "Stream")

@@ -59,7 +59,8 @@ class Placement:
                  owned: list[torch.Tensor], compute_dtype: torch.dtype | None, where: str = "device",
                  pin: bool = False, master_dtype: torch.dtype = torch.float32,
                  step_in_backward: bool | None = False, *, syncs: HostSyncs | None = None,
-                 clip_norm: float = 0.0, loss_scaling: bool = False):
+                 clip_norm: float = 0.0, loss_scaling: bool = False,
+                 streams: Streams | None = None):
         """Take a master of each unit's owned slice (`owned`, in full precision, before the units
         are cast), re-seat `optimizer` on the masters, and decide whether units may be stepped
         during the boundary backward (`early.py`; never with clipping or fp16 loss scaling)."""
@@ -86,7 +87,8 @@ class Placement:
         self.threads = _offload_threads() if where != "device" and on_cuda else None
         #: Host synchronization points (the optimizer's counter).
         self.syncs = syncs if syncs is not None else HostSyncs()
-        self.streams = Streams(units[0].compute_device if units else torch.device("cpu"))
+        self.streams = streams if streams is not None else \
+            Streams(units[0].compute_device if units else torch.device("cpu"))
         if self.step_in_backward and clip_norm <= 0 and not loss_scaling and self.can_mask():
             self.early = EarlyStep(self)
 
@@ -288,7 +290,7 @@ class NvmePlacement(Placement):
     """Masters and optimizer state in swap files, stepped unit by unit through staging buffers."""
 
     def __init__(self, optimizer, units, owned: list[torch.Tensor], spec, aio, rank: int, *,
-                 syncs: HostSyncs | None = None):
+                 syncs: HostSyncs | None = None, streams: Streams | None = None):
         """Write each unit's owned slice (`owned`, full precision) as its master's swap file and
         re-seat `optimizer` on placeholder masters (filled unit by unit during the step)."""
         self.optimizer = optimizer
@@ -305,7 +307,7 @@ class NvmePlacement(Placement):
         self.grad_buffers = None
         self.grads = None
         self.syncs = syncs if syncs is not None else HostSyncs()
-        self.streams = Streams(self.compute_device)
+        self.streams = streams if streams is not None else Streams(self.compute_device)
         self.pipeline_read = bool(spec.pipeline_read)
         self.pipeline_write = bool(spec.pipeline_write)
         self.kinds = {g: _state_kinds(optimizer, g) for g in range(len(optimizer.param_groups))}
@@ -517,7 +519,8 @@ class NvmePlacement(Placement):
 def make_placement(spec, aio, optimizer, units, owned: list[torch.Tensor], compute_dtype,
                    rank: int, master_dtype: torch.dtype = torch.float32, *,
                    syncs: HostSyncs | None = None, clip_norm: float = 0.0,
-                   loss_scaling: bool = False, shards_land: bool = False) -> Placement:
+                   loss_scaling: bool = False, shards_land: bool = False,
+                   streams: Streams | None = None) -> Placement:
     """The placement `offload_optimizer` asks for (`spec` None or device "none": the device),
     with masters taken from `owned` in `master_dtype` (fp32, or bf16 for bf16 master weights; NVMe
     keeps fp32, and config/refusals.py refuses bf16 masters there before anything is built).
@@ -525,9 +528,10 @@ def make_placement(spec, aio, optimizer, units, owned: list[torch.Tensor], compu
     be stepped during backward (`early.py`)."""
     device = spec.device if spec is not None else "none"
     if device == "nvme":
-        return NvmePlacement(optimizer, units, owned, spec, aio, rank, syncs=syncs)
+        return NvmePlacement(optimizer, units, owned, spec, aio, rank, syncs=syncs,
+                             streams=streams)
     common = dict(master_dtype=master_dtype, syncs=syncs, clip_norm=clip_norm,
-                  loss_scaling=loss_scaling)
+                  loss_scaling=loss_scaling, streams=streams)
     if device == "cpu":
         return Placement(optimizer, units, owned, compute_dtype, "cpu", spec.pin_memory,
                          step_in_backward=getattr(spec, "zeroshard_step_in_backward", None)

@@ -177,6 +177,24 @@ def _saves(rank, world, tmp):
     finally:
         os.replace = original_replace
     out["replaced"] = replaced
+    # A read that fails during DCP's load (after the checks passed) on one rank: our error, on
+    # every rank, not torch's CheckpointException (a BaseException).
+    from zeroshard.checkpoint.verify import SafeReader
+
+    original_read = SafeReader.read_data
+
+    def failing_read(self, plan, planner):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(root, "named", "x.distcp"))
+
+    if rank == 1:
+        SafeReader.read_data = failing_read
+    try:
+        engine.load_checkpoint(root)
+        out["load_failure"] = None
+    except CheckpointError as err:
+        out["load_failure"] = str(err)
+    finally:
+        SafeReader.read_data = original_read
     out["writer"] = (__import__("socket").gethostname().split(".")[0], os.getpid())
     out["full"] = _full_disk(engine, rank, tmp)
     engine.destroy()
@@ -269,6 +287,14 @@ def test_a_failed_save_of_an_existing_tag_keeps_the_old_one(saves):
     for got in saves:
         assert "zeroshard.json" in got["same_tag"]
         assert got["same_tag_loads"].endswith(os.sep + "good")
+
+
+def test_a_failed_read_during_load_is_our_error_on_every_rank(saves):
+    for got in saves:
+        message = got["load_failure"]
+        assert message is not None and message.startswith("could not load "), message
+        assert "x.distcp: Input/output error" in message, message
+        assert "CheckpointException" not in message
 
 
 def test_latest_is_written_through_a_temporary_name_of_this_writer(saves):

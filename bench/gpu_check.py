@@ -2,6 +2,8 @@
 
     python bench/gpu_check.py                      # all sections, < 8 minutes, writes gpu_check.json
     python bench/gpu_check.py --sections matrix    # one section
+    python bench/gpu_check.py --sections throughput  # torch vs FSDP2 vs zeroshard (not yet timed
+                                                     # on a GPU; limit 240 s)
     python bench/gpu_check.py --cpu                # the same code on the CPU over gloo: checks the script
 
 Each section runs in its own process with its own time limit, so a crash, a hang or an out-of-memory

@@ -54,7 +54,7 @@ def _enospc(path):
 def _inject(rank, fails_rank, what):
     """Make this rank's write of `what` raise ENOSPC; returns an undo function."""
     import torch.distributed.checkpoint.filesystem as fs
-    from zeroshard.checkpoint import sharded
+    from zeroshard.checkpoint import save as saving
 
     if rank != fails_rank:
         return lambda: None
@@ -66,15 +66,15 @@ def _inject(rank, fails_rank, what):
 
         fs.FileSystemWriter.write_data = write_data
         return lambda: setattr(fs.FileSystemWriter, "write_data", original)
-    original_write = sharded.write_file
+    original_write = saving.write_file
 
     def write_file(path, data):
         if os.path.basename(path) == what or (what == "latest" and ".latest." in path):
             raise _enospc(path)
         return original_write(path, data)
 
-    sharded.write_file = write_file
-    return lambda: setattr(sharded, "write_file", original_write)
+    saving.write_file = write_file
+    return lambda: setattr(saving, "write_file", original_write)
 
 
 def _attempt(engine, root, tag):
@@ -374,8 +374,9 @@ FIRST_JOB = textwrap.dedent("""
     from tests.models import make_model
     root, out = sys.argv[1], sys.argv[2]
     model = make_model()
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 2}}
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(
-        model.parameters(), lr=0.1), config={"train_batch_size": 1, "zero_optimization": {"stage": 2}})
+        model.parameters(), lr=0.1), config=config)
     engine.save_checkpoint(root, tag="shared")
     open(os.path.join(out, "saved"), "w").close()
     sys.stdin.readline()  # the other job tries now

@@ -1,5 +1,6 @@
-"""Sharded checkpoints: save and load at any world size, stage and placement (`sharded.py`), the
-checks that make a load all or nothing (`verify.py`), a checkpoint consolidated into safetensors
+"""Sharded checkpoints: save and load at any world size, stage and placement (`sharded.py`; the
+save itself, all or nothing on every rank: `save.py`; the directory's lock, temporary names and
+failure messages: `directory.py`), the checks that make a load all or nothing (`verify.py`), a checkpoint consolidated into safetensors
 (`consolidate.py`) and the safetensors writer it shares with `save_16bit_model`
 (`safetensors_file.py`)."""
 

@@ -69,7 +69,7 @@ def own_directory(save_dir: str) -> str | None:
 
 
 def release_directory(save_dir: str) -> bool:
-    """Give up this process's lock on `save_dir` (e.g. before unmounting it); whether it held one."""
+    """Give up this process's lock on `save_dir` (e.g. before an unmount); whether it had one."""
     fd = _HELD.pop(os.path.realpath(save_dir), None)
     if fd is not None:
         os.close(fd)
@@ -184,3 +184,20 @@ def find_os_error(err: BaseException) -> OSError | None:
             return err
         err = err.__cause__ or err.__context__
     return None
+
+
+def describe_failure(path: str, err: BaseException, doing: str,
+                     needed: int | None = None) -> str:
+    """One line for a failed step: the path, the OS cause (disk full: free and needed bytes)."""
+    os_err = find_os_error(err)
+    if os_err is None and "unexpected pos" in str(err):
+        os_err = OSError(errno.EIO, "short write (the disk may be full)")
+    if os_err is not None:
+        if os_err.filename:  # the very file (DCP's data files are named by their writer)
+            path, doing = os.fspath(os_err.filename), doing.replace(" the data of", "")
+        return describe_os_error(path, os_err, doing, needed)
+    return f"could not {doing} {path}: {type(err).__name__}: {_first_line(err)}"
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]

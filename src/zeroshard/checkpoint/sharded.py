@@ -25,43 +25,28 @@ parameters, optimizer state, counters, LR scheduler, RNG. Otherwise every rank r
 `CheckpointError` naming the file and the rank that found the problem. Checkpoints saved before
 digests were recorded load with the size checks alone.
 
-Saving is all or nothing too. Every rank's outcome of every file it writes (DCP's data and
-metadata, its RNG file; rank 0's client state, config, `zeroshard.json`, `latest`) reaches every
-rank before `latest` moves: with the digests, then in one last exchange. A failure on any rank is
-a `CheckpointError` on every rank naming the rank, the file and the cause (a full disk says so,
-with the bytes free and needed); the partial directory is removed, and the previous checkpoint and
-`latest` are left as they were. Small files are serialized in memory and written with plain I/O,
-so that a full disk reads as one (torch's own file writer says `unexpected pos`).
+Saving is all or nothing too (`save.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import io
-import json
 import os
-import shutil
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
                                                               TensorProperties)
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
 from ..core.mics import replica_targets
-from .directory import (describe_os_error, find_os_error, own_directory, partial_name,
-                        remove_leftovers, write_file, writer_id)
-from .run_state import check_client_state, jsonable, read_rng, rng_state, set_rng_state, \
-    scheduler_state
-from .verify import (CheckpointError, SafeReader, _ranks, agree, gather_digests, owner,
-                                read_meta, seal, torch_load_verified)
+from .directory import describe_failure
+from .run_state import read_rng, set_rng_state
+from .verify import CheckpointError, SafeReader, agree, read_meta, torch_load_verified
 
 __all__ = ["CheckpointError", "SafeReader", "load_checkpoint", "quiet_dcp", "resolve_tag",
            "save_checkpoint"]
@@ -138,289 +123,14 @@ def _rank_shard(opt, unit, tensor: torch.Tensor) -> torch.Tensor:
     return tensor[lo:hi]
 
 
-# -- save --------------------------------------------------------------------------------------
-
-
-
-
-
-def _optimizer_meta(opt) -> list[dict]:
-    """Hyper-parameters and scalar state per param group; tensor state keys."""
-    groups = []
-    for group in opt.optimizer.param_groups:
-        hyper = {}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            try:
-                hyper[key] = jsonable(value)
-            except TypeError:
-                pass  # e.g. a callable: kept from the live optimizer
-        scalars, tensor_keys, order = {}, [], []
-        for unit in opt.units:
-            if opt.param_groups[unit.group_index] is not group:
-                continue
-            master, unit_state = opt.placement.tensors(unit)
-            for key, value in unit_state.items():
-                if key not in order:
-                    order.append(key)
-                if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
-                    if key not in tensor_keys:
-                        tensor_keys.append(key)
-                else:
-                    scalars[key] = {"value": jsonable(value),
-                                    "dtype": str(value.dtype) if torch.is_tensor(value) else None}
-        groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
-                       "order": order})
-    return groups
-
+# -- save (save.py) ----------------------------------------------------------------------------
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=None,
                     save_latest: bool = True, exclude_frozen: bool = False) -> str:
     """Write this rank's part of a checkpoint (every rank calls it); returns the tag's path."""
-    with host_region():  # strict host mode: offloaded state stays apart from device memory
-        return _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
+    from .save import save_checkpoint as save
 
-
-def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> str:
-    opt, comm = engine.optimizer, engine.comm
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    save_dir = os.path.normpath(os.fspath(save_dir))
-    try:
-        client_bytes, client_error = check_client_state(client_state if client_state is not None
-                                                         else {}), None
-    except ValueError as err:
-        client_bytes, client_error = b"", str(err)
-    tag_error = None if tag and os.sep not in tag and not tag.startswith(".") else \
-        f"checkpoint tag {tag!r} must be a plain directory name"
-    # Rank 0 owns the directory for this job, clears what dead saves left there, and makes this
-    # save's own partial directory, all before the ranks first compare notes.
-    writer, setup_error = writer_id(), None
-    if comm.rank == 0 and client_error is None and tag_error is None:
-        setup_error = own_directory(save_dir)
-        if setup_error is None:
-            remove_leftovers(save_dir)
-            try:
-                os.makedirs(os.path.join(save_dir, partial_name(tag, writer)))
-            except OSError as err:
-                setup_error = describe_os_error(os.path.join(save_dir, partial_name(tag, writer)),
-                                                err, "create")
-    views = _agree_on_target(comm, save_dir, tag, client_error, tag_error, setup_error, writer)
-    final = os.path.join(save_dir, tag)
-    partial = os.path.join(save_dir, partial_name(tag, views[0][-1]))  # rank 0's name
-    try:
-        return _write(engine, save_dir, tag, partial, final, client_bytes, save_latest,
-                      exclude_frozen)
-    except BaseException:
-        if comm.rank == 0:  # every rank is past its writes when an agreed error gets here
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-
-
-def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exclude_frozen):
-    """Write every file into `partial`, agree, then move it into place and point `latest` at it;
-    every failure is one CheckpointError on every rank (module docstring)."""
-    opt, comm = engine.optimizer, engine.comm
-    state: dict[str, object] = {}
-    world, rank = comm.world_size, comm.rank
-    groups = _optimizer_meta(opt)
-    params = {}
-    for unit in opt.units:
-        master, unit_state = opt.placement.tensors(unit)  # mapped onto swap files for NVMe
-        shard = _rank_shard(opt, unit, master.detach())
-        tensor_state = {k: _rank_shard(opt, unit, v) for k, v in unit_state.items()
-                        if k in groups[unit.group_index]["tensor_keys"]}
-        for slot in unit.slots:
-            state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard)
-            for key, value in tensor_state.items():
-                state[f"optim.{key}.{slot.name}"] = _sharded(unit, slot, world, rank, value)
-            params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
-    in_units = {id(s.param) for u in opt.units for s in u.slots}
-    for name, param in engine.module.named_parameters():
-        if id(param) not in in_units and not exclude_frozen:
-            state[f"frozen.{name}"] = param.detach()
-    for name, buf in engine.module.named_buffers():
-        state[f"buffer.{name}"] = buf.detach()
-    needed = _bytes_to_write(state, rank)
-    try:
-        with quiet_dcp():
-            saved = dcp.save(state, storage_writer=FileSystemWriter(partial))
-    except CheckpointException as err:
-        # DCP hands every rank the same exception (a BaseException, with each failed rank's own).
-        mine = err.failures.get(dist.get_rank()) if dist.is_initialized() else None
-        agree(comm, None if mine is None else _failure(partial, mine[0], "write the data of",
-                                                       needed), prefix="save_checkpoint: ")
-        raise CheckpointError(f"save_checkpoint: writing {partial} failed: "
-                              f"{str(err).splitlines()[0][:300]}") from None
-    rng_name = f"rng-rank{rank}.pt"
-    mine, error, data = [rng_name], None, {}
-    current = os.path.join(partial, rng_name)
-    try:
-        write_file(current, _serialized(rng_state()))
-        storage = getattr(saved, "storage_data", None)
-        if storage is None:  # torch 2.11 returns the metadata without it: read what rank 0 wrote
-            current = os.path.join(partial, ".metadata")
-            storage = FileSystemReader(partial).read_metadata().storage_data
-        written: dict[str, list] = {}
-        for info in storage.values():
-            written.setdefault(str(info.relative_path), []).append((info.offset, info.length))
-        data = {name: ranges for i, (name, ranges) in enumerate(sorted(written.items()))
-                if owner(name, i, world) == rank}
-        if rank == 0:
-            current = os.path.join(partial, CLIENT)
-            write_file(current, client_bytes)
-            config = getattr(engine.module, "config", None)
-            if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
-                current = os.path.join(partial, CONFIG)
-                config.to_json_file(current)
-                mine.append(CONFIG)
-            mine += [".metadata", CLIENT]
-    except Exception as err:  # noqa: BLE001 - every rank must reach the agreement regardless
-        error = _failure(current, err, "write", needed)
-    # Each rank hashes what it has just written (still in its page cache); rank 0 records all.
-    # Every rank's outcome so far travels with the digests: one failure fails the save everywhere.
-    files = gather_digests(comm, partial, mine, data, error, prefix="save_checkpoint: ")
-    error = None
-    if rank == 0:
-        meta = {
-            "format": FORMAT, "tag": tag, "world_size": world,
-            "stage": engine.zero_optimization_stage(),
-            "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-                         "optimizer_steps": opt.steps},
-            "optimizer": {"type": type(opt.optimizer).__name__, "groups": groups},
-            "scaler": engine.scaler.state_dict(),
-            "lr_scheduler": scheduler_state(engine.lr_scheduler),
-            "params": params,
-            "state_dict": _state_dict_map(engine, exclude_frozen),
-            "sampler_epoch": getattr(_sampler(engine), "epoch", None),
-            "files": dict(sorted(files.items())),
-        }
-        error = _finish(save_dir, tag, partial, final,
-                        json.dumps(seal(meta), indent=1).encode(), save_latest)
-    agree(comm, error, prefix="save_checkpoint: ")  # the outcome, on every rank
-    return final
-
-
-def _finish(save_dir, tag, partial, final, meta: bytes, save_latest: bool) -> str | None:
-    """Rank 0: write zeroshard.json and the new `latest` aside, then rename both into place,
-    undoing what was done if a step fails; an error text or None. Before the renames nothing
-    needs new space; a replaced same-tag checkpoint is kept as `.old` until the end."""
-    current = os.path.join(partial, META)
-    tmp = os.path.join(save_dir, f".{LATEST}.{writer_id()}.tmp")
-    old = os.path.join(save_dir, f".{tag}.{writer_id()}.old")
-    moved_old = placed = False
-    try:
-        write_file(current, meta)
-        if save_latest:
-            current = tmp
-            write_file(tmp, tag.encode())
-        current = final
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            moved_old = True
-        os.rename(partial, final)
-        placed = True
-        _fsync_dir(save_dir)  # the rename survives a power loss, not only a crash
-        if save_latest:
-            current = os.path.join(save_dir, LATEST)
-            os.replace(tmp, current)
-            _fsync_dir(save_dir)
-    except Exception as err:  # noqa: BLE001 - undone below, then reported on every rank
-        with contextlib.suppress(OSError):
-            if placed:
-                os.rename(final, partial)  # removed by the caller with the rest of the save
-            if moved_old:
-                os.rename(old, final)
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        return _failure(current, err, "write" if current != final else "move the save to")
-    shutil.rmtree(old, ignore_errors=True)
-    return None
-
-
-def _failure(path: str, err: BaseException, doing: str, needed: int | None = None) -> str:
-    """One line for a failed step: the path, the OS cause (disk full: free and needed bytes)."""
-    os_err = find_os_error(err)
-    if os_err is None and "unexpected pos" in str(err):
-        os_err = OSError(errno.EIO, "short write (the disk may be full)")
-    if os_err is not None:
-        if os_err.filename:  # the very file (DCP's data files are named by their writer)
-            path, doing = os.fspath(os_err.filename), doing.replace(" the data of", "")
-        return describe_os_error(path, os_err, doing, needed)
-    return f"could not {doing} {path}: {type(err).__name__}: {_first_line(err)}"
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-
-
-def _serialized(obj) -> bytes:
-    """`torch.save` into memory: the file is then written with plain I/O, whose errors carry
-    errno (torch's own writer reports a full disk as `unexpected pos 64 vs 0`)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _bytes_to_write(state: dict, rank: int) -> int:
-    """About how many bytes this rank writes: its fragments, and (rank 0) the whole tensors."""
-    total = 0
-    for value in state.values():
-        if isinstance(value, ShardedTensor):
-            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
-        elif torch.is_tensor(value) and rank == 0:
-            total += value.numel() * value.element_size()
-    return total
-
-
-def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
-                     tag_error: str | None = None, setup_error: str | None = None,
-                     writer: str = "") -> list:
-    """Before anything is written, every rank learns every rank's save_dir, tag and client_state
-    verdict (and rank 0's ownership of the directory); all raise if they differ, so no rank
-    leaves a half checkpoint that `latest` would name (DeepSpeed's tutorial uses
-    `ckpt_id = loss.item()`, which differs per rank). Returns every rank's view."""
-    views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer))
-    problems = []
-    for index, what in ((0, "save_dir"), (1, "tag")):
-        by_value: dict[str, list[int]] = {}
-        for rank, view in enumerate(views):
-            by_value.setdefault(view[index], []).append(rank)
-        if len(by_value) > 1:
-            problems.append(f"the ranks disagree on the checkpoint {what}: " + "; ".join(
-                f"{_ranks(ranks)}: {value!r}" for value, ranks in by_value.items()))
-    if problems:
-        if comm.rank == 0 and setup_error is None:
-            shutil.rmtree(os.path.join(save_dir, partial_name(tag, writer)), ignore_errors=True)
-        raise CheckpointError(
-            "save_checkpoint: " + "; ".join(problems) + ". Every rank must pass the same save_dir "
-            "and tag (e.g. tag=f'global_step{engine.global_steps}', or tag=None for that default); "
-            "nothing was written and 'latest' is unchanged")
-    errors = [(rank, view[2] or view[3]) for rank, view in enumerate(views)
-              if view[2] is not None or view[3] is not None]
-    if errors:
-        raise ValueError("; ".join(f"rank {rank}: {error}" for rank, error in errors)
-                         if len(views) > 1 else errors[0][1])
-    if views[0][4] is not None:
-        raise CheckpointError(f"save_checkpoint: rank 0: {views[0][4]}. Nothing was written and "
-                              "'latest' is unchanged")
-    return views
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the directory's entries (a rename) durable; a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    return save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
 
 
 def _sampler(engine):
@@ -428,22 +138,6 @@ def _sampler(engine):
     loader = getattr(engine, "training_dataloader", None)
     sampler = getattr(loader, "sampler", None)
     return sampler if hasattr(sampler, "set_epoch") else None
-
-
-def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
-    """`module.state_dict()` key -> the saved entry holding it (tied weights share one)."""
-    saved_name = {id(s.param): f"model.{s.name}" for u in engine.optimizer.units for s in u.slots}
-    for name, param in engine.module.named_parameters():
-        if id(param) not in saved_name and not exclude_frozen:
-            saved_name[id(param)] = f"frozen.{name}"
-    for name, buf in engine.module.named_buffers():
-        saved_name.setdefault(id(buf), f"buffer.{name}")
-    return {key: saved_name[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items()
-            if id(t) in saved_name}
-
-
-
-
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -516,7 +210,7 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
         if isinstance(err, CheckpointException) and err.failures:
             err = next(iter(err.failures.values()))[0]
         raise CheckpointError(
-            f"could not load {path} after verifying it ({_failure(path, err, 'read')}); "
+            f"could not load {path} after verifying it ({describe_failure(path, err, 'read')}); "
             "master weights and optimizer state may be partly overwritten: load a checkpoint "
             "again before training") from None
     with torch.no_grad():

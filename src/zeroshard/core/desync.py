@@ -49,7 +49,7 @@ import time
 
 import torch.distributed as dist
 
-from ..dist.process_group import describe_step_counts, step_counts
+from ..dist.process_group import step_counts
 
 #: Longest wait for the peers' entries once a rank is stuck.
 PEER_WAIT_S = 30.0

@@ -125,7 +125,7 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
 @pytest.mark.parametrize("path, names", [
     ("zeroshard", ["initialize", "prepare", "Init", "GatheredParameters", "init_distributed",
                    "add_config_arguments", "load_config", "ConfigError", "Engine", "Accelerator",
-                   "DeepSpeedPlugin", "get_accelerator"]),
+                   "DeepSpeedPlugin", "get_accelerator", "checkpointing", "monitor"]),
     ("zeroshard.accelerator", ["get_accelerator", "CpuAccelerator", "CudaAccelerator"]),
     ("zeroshard.integrations.accelerate", ["Accelerator", "DeepSpeedPlugin"]),
     ("zeroshard.integrations.deepspeed_alias", ["install", "UnsupportedError"]),

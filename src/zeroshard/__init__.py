@@ -19,14 +19,22 @@ __version__ = "0.1.0"
 #: Names imported on first use: the Accelerate look-alike is not needed by a DeepSpeed-style script.
 _LAZY = {"Accelerator": "zeroshard.integrations.accelerate",
          "DeepSpeedPlugin": "zeroshard.integrations.accelerate"}
+#: Submodules under DeepSpeed's names (`import zeroshard as deepspeed; deepspeed.checkpointing`).
+_LAZY_MODULES = {"checkpointing": "zeroshard.activations.checkpointing",
+                 "monitor": "zeroshard.monitor"}
 
 
 def __getattr__(name):
-    """`zeroshard.Accelerator` / `DeepSpeedPlugin`, imported when first asked for."""
-    if name in _LAZY:
-        import importlib
+    """`zeroshard.Accelerator` / `DeepSpeedPlugin` / `checkpointing` / `monitor`, imported when
+    first asked for."""
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _LAZY_MODULES:
+        value = importlib.import_module(_LAZY_MODULES[name])
         globals()[name] = value
         return value
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

@@ -146,6 +146,17 @@ def _saves(rank, world, tmp):
     out["good"] = _attempt(engine, root, "good")
     out["after_good"] = _listing(root)
     engine.comm.barrier()  # every rank has looked before the next save starts
+    # A client_state that cannot be stored, on rank 1 only: an error on both ranks, and rank 0's
+    # partial directory (made before the ranks compared notes) is gone.
+    try:
+        engine.save_checkpoint(root, tag="bad_client",
+                               client_state={"hook": (lambda: 0) if rank == 1 else 0})
+        out["bad_client"] = None
+    except ValueError as err:
+        out["bad_client"] = str(err)
+    engine.comm.barrier()  # rank 0 has cleaned up
+    out["bad_client_listing"] = _listing(root)
+    engine.comm.barrier()
     for i, (fails_rank, what) in enumerate(INJECTED):
         undo = _inject(rank, fails_rank, what)
         try:
@@ -263,6 +274,13 @@ def test_leftovers_of_dead_saves_are_removed(saves):
     for got in saves:
         assert got["good"] is None
         assert got["after_good"] == ["good", "latest"]
+
+
+def test_a_client_state_one_rank_cannot_store_fails_every_rank_and_leaves_nothing(saves):
+    for got in saves:
+        assert got["bad_client"] is not None and "rank 1: client_state can only hold" in \
+            got["bad_client"], got["bad_client"]
+        assert got["bad_client_listing"] == ["good", "latest"]
 
 
 @pytest.mark.parametrize("case", range(len(INJECTED)))

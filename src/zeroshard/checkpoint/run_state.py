@@ -16,8 +16,8 @@ from .verify import CheckpointError, torch_load_verified
 def check_client_state(client_state) -> bytes:
     """`client_state` serialized; ValueError unless torch.load(weights_only=True) reads it back."""
     buffer = io.BytesIO()
-    torch.save(client_state, buffer)
-    try:
+    try:  # one rank's unpicklable client_state (a lambda) must not leave its peers waiting
+        torch.save(client_state, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as err:
         raise ValueError(

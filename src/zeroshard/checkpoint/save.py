@@ -97,7 +97,13 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
             except OSError as err:
                 setup_error = describe_os_error(os.path.join(save_dir, partial_name(tag, writer)),
                                                 err, "create")
-    views = _agree_on_target(comm, save_dir, tag, client_error, tag_error, setup_error, writer)
+    try:
+        views = _agree_on_target(comm, save_dir, tag, client_error, tag_error, setup_error,
+                                 writer)
+    except BaseException:
+        if comm.rank == 0 and client_error is None and tag_error is None and setup_error is None:
+            shutil.rmtree(os.path.join(save_dir, partial_name(tag, writer)), ignore_errors=True)
+        raise
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, partial_name(tag, views[0][-1]))  # rank 0's name
     try:
@@ -268,8 +274,6 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
             problems.append(f"the ranks disagree on the checkpoint {what}: " + "; ".join(
                 f"{_ranks(ranks)}: {value!r}" for value, ranks in by_value.items()))
     if problems:
-        if comm.rank == 0 and setup_error is None:
-            shutil.rmtree(os.path.join(save_dir, partial_name(tag, writer)), ignore_errors=True)
         raise CheckpointError(
             "save_checkpoint: " + "; ".join(problems) + ". Every rank must pass the same save_dir "
             "and tag (e.g. tag=f'global_step{engine.global_steps}', or tag=None for that default); "

@@ -270,6 +270,29 @@ def test_ranks_that_built_different_models_are_refused(saves, case, expected):
     assert saves[0]["agreement"]["same"] is None
 
 
+class _Views:
+    """A comm whose all-gather hands back views made up for the test (one process)."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def all_gather_object(self, mine):
+        return [(*mine[:6], count) for count in self.counts]
+
+
+def test_a_save_from_ranks_at_different_steps_is_refused():
+    """What NCCL sees (no tags there): the save's first exchange compares the step counts."""
+    from zeroshard.checkpoint.save import _agree_on_target
+
+    with pytest.raises(CheckpointError, match=r"rank 0: 8 optimizer steps after 8 backward "
+                       r"passes; rank 1: 7 optimizer steps after 8 backward passes\).*nothing "
+                       r"was written"):
+        _agree_on_target(_Views([(8, 8), (7, 8)]), "ckpt", "tag", None)
+    assert _agree_on_target(_Views([(8, 8), (8, 8)]), "ckpt", "tag", None)
+
+
 def test_leftovers_of_dead_saves_are_removed(saves):
     for got in saves:
         assert got["good"] is None

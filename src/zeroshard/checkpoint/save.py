@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core.hostmem import host_region
+from ..dist.process_group import describe_step_counts, step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         remove_leftovers, write_file, writer_id)
 from .run_state import check_client_state, jsonable, rng_state, scheduler_state
@@ -105,7 +106,7 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
             shutil.rmtree(os.path.join(save_dir, partial_name(tag, writer)), ignore_errors=True)
         raise
     final = os.path.join(save_dir, tag)
-    partial = os.path.join(save_dir, partial_name(tag, views[0][-1]))  # rank 0's name
+    partial = os.path.join(save_dir, partial_name(tag, views[0][5]))  # rank 0's name
     try:
         return _write(engine, save_dir, tag, partial, final, client_bytes, save_latest,
                       exclude_frozen)
@@ -263,8 +264,11 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
     """Before anything is written, every rank learns every rank's save_dir, tag and client_state
     verdict (and rank 0's ownership of the directory); all raise if they differ, so no rank
     leaves a half checkpoint that `latest` would name (DeepSpeed's tutorial uses
-    `ckpt_id = loss.item()`, which differs per rank). Returns every rank's view."""
-    views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer))
+    `ckpt_id = loss.item()`, which differs per rank), nor one from ranks at different steps (on
+    gloo their collectives do not pair and the watchdog reports it first; NCCL has no tags).
+    Returns every rank's view."""
+    views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer,
+                                    step_counts()))
     problems = []
     for index, what in ((0, "save_dir"), (1, "tag")):
         by_value: dict[str, list[int]] = {}
@@ -278,6 +282,10 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
             "save_checkpoint: " + "; ".join(problems) + ". Every rank must pass the same save_dir "
             "and tag (e.g. tag=f'global_step{engine.global_steps}', or tag=None for that default); "
             "nothing was written and 'latest' is unchanged")
+    if len({tuple(view[6]) for view in views}) > 1:
+        raise CheckpointError(
+            "save_checkpoint: " + describe_step_counts([tuple(view[6]) for view in views]) +
+            "; nothing was written and 'latest' is unchanged")
     errors = [(rank, view[2] or view[3]) for rank, view in enumerate(views)
               if view[2] is not None or view[3] is not None]
     if errors:

@@ -25,7 +25,7 @@ from tests.test_accelerate import _worst, reference  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 TESTS = ROOT / "tests"
-SHIM = ROOT / "src" / "zeroshard" / "integrations" / "_deepspeed_shim"
+SHIM = ROOT / "src" / "zeroshard" / "compat" / "deepspeed" / "_deepspeed_shim"
 WORLD = 2
 
 

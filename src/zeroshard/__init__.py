@@ -1,32 +1,53 @@
-"""zeroshard: ZeRO (Zero Redundancy Optimizer) for PyTorch, DeepSpeed-config compatible."""
+"""zeroshard: ZeRO (Zero Redundancy Optimizer) for PyTorch, DeepSpeed-config compatible.
+
+What exists to look like another library (DeepSpeed's `zero`, `comm`, `accelerator`, `ops`,
+`utils`; Accelerate's `Accelerator`; Hugging Face; Lightning) lives in `compat/` and is imported
+on first use: `import zeroshard` loads none of it.
+"""
 
 import argparse as _argparse
+import sys as _sys
 
 from .dist import init_distributed
 from .config.schema import ConfigError, NotSupportedYetError, load_config
 from .build import initialize, is_initialized, prepare
 from .engine import Engine
 from .core.gathered import GatheredParameters
-from .core.init import Init, load_full_state_dict
-from . import accelerator, comm, ops, utils, zero
-from .accelerator import get_accelerator
+from .core.init import Init, load_full_state_dict, register_library_hooks
 from .core.desync import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
 from .core.scaler import LossScaleError
 
 __version__ = "0.1.0"
 
-#: Names imported on first use: the Accelerate look-alike is not needed by a DeepSpeed-style script.
-_LAZY = {"Accelerator": "zeroshard.integrations.accelerate",
-         "DeepSpeedPlugin": "zeroshard.integrations.accelerate"}
-#: Submodules under DeepSpeed's names (`import zeroshard as deepspeed; deepspeed.checkpointing`).
+#: Names imported on first use (compat/): a DeepSpeed-style script needs no Accelerate look-alike.
+_LAZY = {"Accelerator": "zeroshard.compat.accelerate",
+         "DeepSpeedPlugin": "zeroshard.compat.accelerate",
+         "get_accelerator": "zeroshard.compat.deepspeed.accelerator"}
+#: Submodules under DeepSpeed's names (`import zeroshard as deepspeed; deepspeed.checkpointing`,
+#: `deepspeed.comm`, `deepspeed.zero`), imported on first use.
 _LAZY_MODULES = {"checkpointing": "zeroshard.activations.checkpointing",
-                 "monitor": "zeroshard.monitor"}
+                 "monitor": "zeroshard.monitor",
+                 "accelerator": "zeroshard.accelerator", "comm": "zeroshard.comm",
+                 "ops": "zeroshard.ops", "utils": "zeroshard.utils", "zero": "zeroshard.zero"}
+
+
+def _hf_init_hooks():
+    """compat/hf/init.py once transformers' models exist (it never imports transformers): Init
+    runs their own weight init on gathered parameters (core/init.py's LibraryHooks)."""
+    modeling = _sys.modules.get("transformers.modeling_utils")
+    if getattr(modeling, "PreTrainedModel", None) is None:
+        return None
+    from .compat.hf import init
+    return init
+
+
+register_library_hooks(_hf_init_hooks)
 
 
 def __getattr__(name):
-    """`zeroshard.Accelerator` / `DeepSpeedPlugin` / `checkpointing` / `monitor`, imported when
-    first asked for."""
+    """The compat names (`zeroshard.Accelerator`, `get_accelerator`, `zeroshard.comm`, ...) and
+    `checkpointing` / `monitor`, imported when first asked for."""
     import importlib
 
     if name in _LAZY:

@@ -43,7 +43,7 @@ from ..integrations.deepspeed_alias import real_deepspeed_installed
 from .nodes import announce, apply_node_defaults
 
 #: The directory whose deepspeed.py makes `import deepspeed` load zeroshard in the workers.
-SHIM = Path(__file__).resolve().parent.parent / "integrations" / "_deepspeed_shim"
+SHIM = Path(__file__).resolve().parent.parent / "compat" / "deepspeed" / "_deepspeed_shim"
 #: Run by path to pin each worker to its cores (--bind_cores_to_rank).
 BIND = Path(__file__).resolve().parent / "bind.py"
 

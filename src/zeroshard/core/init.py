@@ -16,8 +16,9 @@ gathered, one module at a time (an apply function must not reach into other modu
 `initialize()` later re-lays these construction-time slices into stage-3 units with one
 all-to-all per unit, never gathering them (`materialize.py`). Other code that writes parameters
 after their module was built, outside `Module.apply`, must do so inside
-`zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed. A Hugging Face
-model's own init walk (`post_init`) is run the same way, on gathered parameters (`init_hf.py`).
+`zeroshard.GatheredParameters(params, modifier_rank=0)`, as with DeepSpeed. A model library whose
+models run their own init walk (Hugging Face's `post_init`) plugs in through
+`register_library_hooks`: compat/hf/init.py runs that walk the same way, on gathered parameters.
 `load_full_state_dict` fills a partitioned model from a full state dict, unit by unit, each rank
 copying only its slices.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,6 @@ from torch import nn
 from ..dist import Comm, default_device, init_distributed
 from ..config.schema import load_config, read_raw
 from .hostmem import return_freed_memory
-from .init_hf import attach_stage3_methods, patch_initialize_weights, pretrained_base
 # init_units, take_full and gather_init_units are re-exported (their users import them from here).
 from .init_units import (gather_init_units, init_units, partition_parameter,  # noqa: F401
                          take_full)
@@ -43,6 +44,29 @@ from .owners import owner_of
 
 # Host memory freed by partitioning, in bytes, after which it is handed back to the OS.
 TRIM_BYTES = 4 << 20
+
+
+class LibraryHooks(Protocol):
+    """What Init needs from a model library whose models initialize themselves (compat/hf/init.py
+    for transformers): it is found through `register_library_hooks`, so core imports no library."""
+
+    def patch_init(self, init_ctx: "Init") -> Callable[[], None]:
+        """Make the library's own weight init run on gathered parameters; returns the undo."""
+
+    def model_built(self, model: nn.Module) -> None:
+        """An outermost model was built partitioned (e.g. give it stage-3 methods)."""
+
+
+#: Functions returning a model library's LibraryHooks once that library is imported, else None.
+#: Filled at import by zeroshard/__init__.py (the top layer), never by core itself.
+_LIBRARY_HOOKS: list[Callable[[], "LibraryHooks | None"]] = []
+
+
+def register_library_hooks(find: Callable[[], "LibraryHooks | None"]) -> None:
+    """Let Init consult `find()` while models are built: it returns the hooks of a library
+    once that library is in use (None before; asked again at each model constructor)."""
+    if find not in _LIBRARY_HOOKS:
+        _LIBRARY_HOOKS.append(find)
 
 
 def _subclasses(cls):
@@ -107,22 +131,25 @@ class Init:
 
         apply._zeroshard_init = True  # marks an active Init (init_active)
         nn.Module.apply = apply
-        self._undo_hf = None
-        self._patch_hf()
+        self._libraries: dict[int, tuple[LibraryHooks, Callable[[], None]]] = {}
+        self._patch_libraries()
         return self
 
-    def _patch_hf(self) -> None:
-        """Hugging Face models initialize through their own walk, not Module.apply (init_hf.py):
-        patch it as soon as transformers is imported, also when that happens inside the context
-        (a model factory that imports transformers lazily)."""
-        if self._undo_hf is None and pretrained_base() is not None:
-            self._undo_hf = patch_initialize_weights(self)
+    def _patch_libraries(self) -> None:
+        """Models of some libraries initialize through their own walk, not Module.apply (Hugging
+        Face's: compat/hf/init.py): patch it as soon as the library is imported, also when that
+        happens inside the context (a model factory that imports transformers lazily)."""
+        for i, find in enumerate(_LIBRARY_HOOKS):
+            if i not in self._libraries:
+                hooks = find()
+                if hooks is not None:
+                    self._libraries[i] = (hooks, hooks.patch_init(self))
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
-        if self._undo_hf is not None:
-            self._undo_hf()
+        for _, undo in self._libraries.values():
+            undo()
         nn.Module.apply = self._original_apply
         if self._had_init_subclass:
             nn.Module.__init_subclass__ = self._original_init_subclass
@@ -175,7 +202,7 @@ class Init:
             key = id(module)
             outermost = key not in self._depth  # not a super().__init__ call of the same object
             if outermost:
-                self._patch_hf()
+                self._patch_libraries()
                 if self._building:
                     # The parent starts another child: its earlier children are finished.
                     self._flush(self._building[-1])
@@ -197,7 +224,8 @@ class Init:
                 else:  # an outermost model is complete
                     self._flush([module])
                     self._check_no_lost_writes(module)
-                    attach_stage3_methods(module)
+                    for hooks, _ in self._libraries.values():
+                        hooks.model_built(module)
 
         cls.__init__ = init
 

@@ -1,7 +1,7 @@
 """Construction-time units (`zeroshard.Init`): each partitioned parameter is its own unit holding
 this rank's 1/N slice; these helpers make, gather and dissolve them.
 
-They sit below `init.py` (the context), `init_hf.py` and `gathered.py`, which all use them.
+They sit below `init.py` (the context), `gathered.py` and compat/hf/init.py, which all use them.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def zero3_announced(config: dict, enabled: bool = True):
         return
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from .deepspeed_alias import install, installed, real_deepspeed_installed
+    from ..deepspeed.alias import install, installed, real_deepspeed_installed
 
     if not installed() and not real_deepspeed_installed():
         install()
@@ -385,4 +385,4 @@ def _mean_over_ranks(value: torch.Tensor, device) -> float:
     return value.item()
 
 
-from .hf_load import from_config, from_pretrained  # noqa: E402,F401 - the stage-3 loading path
+from .load import from_config, from_pretrained  # noqa: E402,F401 - the stage-3 loading path

@@ -16,7 +16,9 @@ keeps the model gathered across decode steps while stage3_max_live_parameters al
 `resize_token_embeddings` resizes partitioned embeddings.
 
 transformers is never imported here: the class is found in `sys.modules` (a model cannot be
-built without it being imported first), so zeroshard's core does not depend on it.
+built without it being imported first). Core's Init reaches this module only through
+`core.init.register_library_hooks` (zeroshard/__init__.py registers it): `patch_init` and
+`model_built` below are its LibraryHooks, so core depends neither on transformers nor on compat.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from .gathered import GatheredParameters
-from .init_units import partition_new_parameters
-from .layout import INIT_ATTR, ZeroParamStatus, set_status
-from .owners import is_managed, owner_of
+from ...core.gathered import GatheredParameters
+from ...core.init_units import partition_new_parameters
+from ...core.layout import INIT_ATTR, ZeroParamStatus, set_status
+from ...core.owners import is_managed, owner_of
 
 HF_FLAG = "_is_hf_initialized"
 
@@ -140,6 +142,17 @@ def run_gathered(init_ctx, module: nn.Module, params: list[nn.Parameter], fn) ->
             unit.release()
             for slot in unit.slots:  # these writes were kept
                 init_ctx._versions[id(slot.param)] = slot.param._version
+
+
+# -- Init's LibraryHooks (core/init.py) -----------------------------------------------------------
+def patch_init(init_ctx):
+    """Init's hook: transformers' weight init on gathered parameters; returns the undo."""
+    return patch_initialize_weights(init_ctx)
+
+
+def model_built(model: nn.Module) -> None:
+    """Init's hook: a model built partitioned gets its stage-3 methods."""
+    attach_stage3_methods(model)
 
 
 # -- methods of a partitioned Hugging Face model ---------------------------------------------------

@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.safetensors_read import checkpoint_entries
-from ..dist import init_distributed
-from ..config.schema import load_config
-from ..core.hostmem import host_copy, to_device
-from ..core.init import Init
-from ..core.init_hf import HF_FLAG, initialize_gathered
-from ..core.layout import INIT_ATTR, full_shape
+from ...checkpoint.safetensors_read import checkpoint_entries
+from ...dist import init_distributed
+from ...config.schema import load_config
+from ...core.hostmem import host_copy, to_device
+from ...core.init import Init
+from .init import HF_FLAG, initialize_gathered
+from ...core.layout import INIT_ATTR, full_shape
 
 BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .accelerator_base import DeepSpeedAccelerator
+from .base import DeepSpeedAccelerator
 
 __all__ = ["CpuAccelerator", "CpuEvent", "CpuStream"]
 

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from ..checkpoint.sharded import META
-from ..checkpoint.consolidate import tag_path, consolidate, consolidated_state_dict
+from ....checkpoint.sharded import META
+from ....checkpoint.consolidate import tag_path, consolidate, consolidated_state_dict
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..config.schema import read_raw
+from ...config.schema import read_raw
 
 ENV = "ZEROSHARD_ACCELERATE_CONFIG"
 #: Accelerate's field -> the DeepSpeed config key it sets.

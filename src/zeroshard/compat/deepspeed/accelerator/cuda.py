@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .accelerator_base import DeepSpeedAccelerator
+from .base import DeepSpeedAccelerator
 
 __all__ = ["CudaAccelerator"]
 

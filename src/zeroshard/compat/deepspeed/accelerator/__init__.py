@@ -1,5 +1,5 @@
 """DeepSpeed's accelerator interface, `deepspeed.accelerator.get_accelerator()`, for CPU and CUDA
-(accelerator_cuda.py, accelerator_cpu.py; what they share in accelerator_base.py).
+(cuda.py, cpu.py; what they share in base.py).
 
 DeepSpeed's examples reach the device through this object instead of `torch.cuda`
 (`get_accelerator().device_name(local_rank)`, `.synchronize()`, `.memory_allocated()`, ...), so
@@ -16,9 +16,9 @@ import os
 
 import torch
 
-from .accelerator_base import DeepSpeedAccelerator
-from .accelerator_cpu import CpuAccelerator, CpuEvent, CpuStream
-from .accelerator_cuda import CudaAccelerator
+from .base import DeepSpeedAccelerator
+from .cpu import CpuAccelerator, CpuEvent, CpuStream
+from .cuda import CudaAccelerator
 
 __all__ = ["CpuAccelerator", "CpuEvent", "CpuStream", "CudaAccelerator", "DeepSpeedAccelerator",
            "get_accelerator", "is_current_accelerator_supported"]

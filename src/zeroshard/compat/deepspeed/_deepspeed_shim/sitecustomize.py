@@ -1,6 +1,7 @@
 """Run at interpreter start in `zeroshard run`'s workers (this directory is first on their
-PYTHONPATH): zeroshard's worker hooks (../worker_hooks.py), then the sitecustomize this file
-shadows, if the environment has one. Imports neither torch nor zeroshard's package body."""
+PYTHONPATH): zeroshard's worker hooks (compat/accelerate/worker_hooks.py), then the
+sitecustomize this file shadows, if the environment has one. Imports neither torch nor
+zeroshard's package body."""
 
 import importlib.util as _util
 import os as _os
@@ -22,8 +23,8 @@ def _chain() -> None:
 
 
 def _hooks() -> None:
-    path = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))),
-                         "worker_hooks.py")
+    compat = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+    path = _os.path.join(compat, "accelerate", "worker_hooks.py")
     spec = _util.spec_from_file_location("zeroshard_worker_hooks", path)
     module = _util.module_from_spec(spec)
     _sys.modules[spec.name] = module

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .dist.comm import Comm, HostLayout, default_device, wait_all  # noqa: F401 (public)
-from .dist.hostpolicy import HostMemoryError, strict_host  # noqa: F401 (public)
-from .dist.process_group import env_int, init_distributed, leave_cleanly_at_exit  # noqa: F401
+from ...dist.comm import Comm, HostLayout, default_device, wait_all  # noqa: F401 (public)
+from ...dist.hostpolicy import HostMemoryError, strict_host  # noqa: F401 (public)
+from ...dist.process_group import env_int, init_distributed, leave_cleanly_at_exit  # noqa: F401
 
 
 def get_rank() -> int:

@@ -34,14 +34,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from ..dist import Comm, default_device, init_distributed
-from ..config.auto import resolve_auto
-from ..build import initialize
-from ..engine import Engine
-from .accelerate_config import (ENV, DeepSpeedPlugin, build_deepspeed_config,
+from ...dist import Comm, default_device, init_distributed
+from ...config.auto import resolve_auto
+from ...build import initialize
+from ...engine import Engine
+from .config import (ENV, DeepSpeedPlugin, build_deepspeed_config,
                                 read_accelerate_config, zero3_init_flag)
-from .accelerate_data import PreparedDataLoader, SkipBatches
-from .accelerate_ranks import RankMixin
+from .data import PreparedDataLoader, SkipBatches
+from .ranks import RankMixin
 
 __all__ = ["Accelerator", "DeepSpeedPlugin"]
 
@@ -426,8 +426,8 @@ class Accelerator(RankMixin):
     def save_model(self, model, save_directory: str, max_shard_size="10GB",
                    safe_serialization: bool = True) -> None:
         """Rank 0 writes the whole model (model.safetensors, or shards + index); all ranks call."""
-        from ..checkpoint.consolidate import parse_size
-        from ..checkpoint.safetensors_file import write_safetensors
+        from ...checkpoint.consolidate import parse_size
+        from ...checkpoint.safetensors_file import write_safetensors
 
         state = self._engine("save_model").consolidated_state_dict(rank0_only=True)
         if self.is_main_process:

@@ -5,7 +5,8 @@ on its workers' PYTHONPATH when DeepSpeed is not installed (or with `--alias-dee
 unchanged script's `import deepspeed` loads that file, which calls `install()`:
 
 * `sys.modules["deepspeed"]` becomes a module that answers with zeroshard's names
-  (`deepspeed.initialize is zeroshard.initialize`, `deepspeed.comm` is `zeroshard.comm`'s names);
+  (`deepspeed.initialize is zeroshard.initialize`, `deepspeed.comm` is `compat/deepspeed/comm.py`'s
+  names);
 * a finder first on `sys.meta_path` answers every `deepspeed.<x>` import: DeepSpeed's paths that
   zeroshard implements (ALIASES) by a module forwarding to the zeroshard module, so the objects
   (and the process group behind them) are the same; any other path by a stand-in module.
@@ -17,7 +18,7 @@ unchanged script's `import deepspeed` loads that file, which calls `install()`:
 
 The same directory holds `deepspeed-<DEEPSPEED_VERSION>.dist-info`, so packages that check for
 DeepSpeed by its installed metadata (transformers, accelerate, TRL) find it in the workers and
-take their DeepSpeed paths, and a `sitecustomize.py` that loads worker_hooks.py.
+take their DeepSpeed paths, and a `sitecustomize.py` that loads compat/accelerate/worker_hooks.py.
 
 `python script.py` outside the launcher never runs this: there `import deepspeed` still needs to
 be written `import zeroshard as deepspeed`.
@@ -38,19 +39,19 @@ DEEPSPEED_VERSION = "0.19.8+zeroshard"
 #: DeepSpeed module paths zeroshard implements, and the zeroshard module that answers each.
 ALIASES = {
     "deepspeed": "zeroshard",
-    "deepspeed.accelerator": "zeroshard.accelerator",
-    "deepspeed.comm": "zeroshard.comm",
-    "deepspeed.zero": "zeroshard.zero",
-    "deepspeed.ops": "zeroshard.ops",
-    "deepspeed.ops.adam": "zeroshard.ops.adam",
-    "deepspeed.utils": "zeroshard.utils",
-    "deepspeed.utils.zero_to_fp32": "zeroshard.utils.zero_to_fp32",
-    "deepspeed.utils.z3_leaf_module": "zeroshard.utils.z3_leaf",
+    "deepspeed.accelerator": "zeroshard.compat.deepspeed.accelerator",
+    "deepspeed.comm": "zeroshard.compat.deepspeed.comm",
+    "deepspeed.zero": "zeroshard.compat.deepspeed.zero",
+    "deepspeed.ops": "zeroshard.compat.deepspeed.ops",
+    "deepspeed.ops.adam": "zeroshard.compat.deepspeed.ops.adam",
+    "deepspeed.utils": "zeroshard.compat.deepspeed.utils",
+    "deepspeed.utils.zero_to_fp32": "zeroshard.compat.deepspeed.utils.zero_to_fp32",
+    "deepspeed.utils.z3_leaf_module": "zeroshard.compat.deepspeed.utils.z3_leaf",
     "deepspeed.checkpoint.utils": "zeroshard.checkpoint.clone",
-    "deepspeed.ops.adagrad": "zeroshard.ops.adagrad",
-    "deepspeed.ops.lion": "zeroshard.ops.lion",
-    "deepspeed.runtime.zero": "zeroshard.zero",
-    "deepspeed.runtime.zero.partition_parameters": "zeroshard.zero",
+    "deepspeed.ops.adagrad": "zeroshard.compat.deepspeed.ops.adagrad",
+    "deepspeed.ops.lion": "zeroshard.compat.deepspeed.ops.lion",
+    "deepspeed.runtime.zero": "zeroshard.compat.deepspeed.zero",
+    "deepspeed.runtime.zero.partition_parameters": "zeroshard.compat.deepspeed.zero",
     "deepspeed.runtime.lr_schedules": "zeroshard.schedulers",
     "deepspeed.runtime.engine": "zeroshard.engine",
     "deepspeed.checkpointing": "zeroshard.activations.checkpointing",

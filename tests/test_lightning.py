@@ -366,7 +366,7 @@ def test_refused_settings(results):
 
 def test_batch_keys_become_accumulation():
     """The config's batch keys give Lightning's accumulation; the engine keeps micro batch only."""
-    from zeroshard.integrations.lightning import _pop_accumulation
+    from zeroshard.compat.lightning import _pop_accumulation
 
     cfg = {"gradient_accumulation_steps": 3, "train_batch_size": 24}
     assert _pop_accumulation(cfg, 2) == 3 and cfg == {"train_micro_batch_size_per_gpu": 1}

@@ -1,12 +1,13 @@
 """The package's shape stays as designed: subsystems as folders, imports running one way (config and
 dist at the bottom, then core, then offload / checkpoint / sizing, then the engine, then the
-command line, integrations and public names), no import cycles, and every public import path
-users and the docs rely on still importing."""
+command line, compat/ and public names), no import cycles, `import zeroshard` loading nothing of
+compat/, and every public import path users and the docs rely on still importing."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +23,14 @@ LAYERS = {
     "activations": 2,  # deepspeed.checkpointing on torch.utils.checkpoint
     "monitor": 3,  # what the engine reports (writers, throughput, timers); core must not import it
     "engine": 3, "schedulers": 3, "build": 3,
-    "cli": 4, "integrations": 4, "__init__": 4, "zero": 4, "ops": 4, "utils": 4,
-    "estimate": 4, "consolidate": 4, "accelerator": 4,
-    "comm": 4,  # DeepSpeed's deepspeed.comm names; zeroshard's own code imports dist
+    # compat/: everything that imitates another library (DeepSpeed, Accelerate, Hugging Face,
+    # Lightning). Nothing below this layer imports it; core reaches the Hugging Face init walk
+    # through core.init.register_library_hooks, wired in __init__.
+    "compat": 4,
+    "cli": 4, "__init__": 4, "estimate": 4, "consolidate": 4,
+    # Old import paths, thin modules re-exporting from compat/ (comm: deepspeed.comm's names;
+    # zeroshard's own code imports dist).
+    "integrations": 4, "zero": 4, "ops": 4, "utils": 4, "accelerator": 4, "comm": 4,
 }
 
 
@@ -85,6 +91,30 @@ def test_imports_run_one_way():
     assert not wrong, "imports against the layering: " + ", ".join(sorted(wrong))
 
 
+def test_nothing_below_the_top_imports_compat():
+    """compat/ stays removable: only the top layer (cli, the public names, the old import paths)
+    reaches it."""
+    wrong = sorted(f"{name} -> {target}" for name, targets in _graph().items()
+                   for target in targets
+                   if _top(target) == "compat" and LAYERS[_top(name)] < LAYERS["compat"])
+    assert not wrong, "compat imported from below: " + ", ".join(wrong)
+
+
+def test_import_zeroshard_loads_no_compat():
+    """`import zeroshard` imports no look-alike (nor transformers, accelerate, lightning): the
+    public names reach compat/ on first use."""
+    code = ("import sys, zeroshard; print(sorted(m for m in sys.modules if m.startswith("
+            "('zeroshard.compat', 'zeroshard.integrations', 'transformers', 'accelerate', "
+            "'lightning'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    code = ("import sys, zeroshard; zeroshard.comm.get_rank(); zeroshard.get_accelerator(); "
+            "zeroshard.DeepSpeedPlugin; print(sorted(m for m in sys.modules if m.startswith("
+            "('transformers', 'lightning'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_no_import_cycles():
     graph = _graph()
     # A package's __init__ re-exporting its children is not a cycle of design.
@@ -140,8 +170,43 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     ("zeroshard.config", ["load_config", "ConfigError", "ConfigWarning", "ZeroConfig"]),
     ("zeroshard.comm", ["init_distributed", "get_rank", "get_world_size", "all_reduce"]),
     ("zeroshard.cli", ["main"]),
+    # The homes of the old paths above.
+    ("zeroshard.compat.deepspeed.zero", ["Init", "GatheredParameters", "ZeroParamStatus"]),
+    ("zeroshard.compat.deepspeed.comm", ["get_rank", "all_reduce"]),
+    ("zeroshard.compat.deepspeed.accelerator", ["get_accelerator", "CpuAccelerator"]),
+    ("zeroshard.compat.deepspeed.ops.adam", ["DeepSpeedCPUAdam", "FusedAdam"]),
+    ("zeroshard.compat.deepspeed.ops.adagrad", ["DeepSpeedCPUAdagrad"]),
+    ("zeroshard.compat.deepspeed.ops.lion", ["DeepSpeedCPULion", "FusedLion"]),
+    ("zeroshard.compat.deepspeed.utils", ["logger", "zero_to_fp32", "set_z3_leaf_modules"]),
+    ("zeroshard.compat.deepspeed.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
+    ("zeroshard.compat.deepspeed.alias", ["install", "UnsupportedError", "ALIASES"]),
+    ("zeroshard.compat.accelerate", ["Accelerator", "DeepSpeedPlugin"]),
+    ("zeroshard.compat.hf", ["ZeroTrainer", "from_pretrained", "from_config"]),
+    ("zeroshard.compat.lightning", ["ZeroShardStrategy"]),
+    # Old paths beyond the docs' names.
+    ("zeroshard.ops.adagrad", ["DeepSpeedCPUAdagrad"]),
+    ("zeroshard.ops.lion", ["DeepSpeedCPULion", "FusedLion"]),
+    ("zeroshard.utils", ["logger", "zero_to_fp32", "set_z3_leaf_modules", "z3_leaf_module"]),
+    ("zeroshard.integrations.hf_load", ["from_pretrained", "from_config"]),
+    ("zeroshard.integrations.accelerate_config", ["ENV", "DeepSpeedPlugin", "launch_env"]),
+    ("zeroshard.integrations.worker_hooks", ["ACCELERATE_DEEPSPEED"]),
 ])
 def test_public_import_paths_keep_working(path, names):
     module = importlib.import_module(path)
     missing = [n for n in names if not hasattr(module, n)]
     assert not missing, f"{path} lacks {missing}"
+
+
+def test_deepspeed_alias_targets_import():
+    """Every zeroshard module the launcher's `import deepspeed` alias maps to exists (the table
+    follows the modules when they move)."""
+    from zeroshard.compat.deepspeed.alias import ALIASES, RENAMED
+
+    targets = set(ALIASES.values()) | {m for names in RENAMED.values() for m, _ in names.values()}
+    missing = []
+    for target in sorted(targets):
+        try:
+            importlib.import_module(target)
+        except ImportError as exc:
+            missing.append(f"{target} ({exc})")
+    assert not missing, f"alias targets that do not import: {missing}"

@@ -17,7 +17,7 @@ from torch import nn
 
 from .dist import Comm
 from .config.schema import ZeroConfig
-from .core.deepspeed_views import ThroughputTimer
+from .monitor.timers import ThroughputTimer
 from .core.no_optimizer import REFUSAL, is_placeholder
 from .core.optim import ZeroOptimizer
 from .activations.checkpointing import use_engine_config

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..dist import Comm, default_device
 from .hostmem import host_region, to_device
-from .deepspeed_views import ParameterOffloadView
+from .stage3_views import ParameterOffloadView
 from .hostsync import HostSyncs
 from .layout import Unit
 from .owners import forget, register

@@ -44,7 +44,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..dist import Comm
-from .deepspeed_views import add_external_parameters_method
+from .stage3_views import add_external_parameters_method
 from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout

@@ -4,6 +4,9 @@ Each phase is timed with `time.perf_counter()` between two device synchronizatio
 accelerator the host runs ahead of the kernels; a sync makes the interval the device's work),
 so turning the breakdown on costs a few syncs per micro-step, as DeepSpeed's timers do. Times
 add up over an accumulation window and are taken (and reset) at the optimizer step.
+
+`ThroughputTimer` is DeepSpeed's `engine.tput_timer` (DeepSpeed-Chat calls `update_epoch_count()`
+after each epoch and reads samples per second), counting from the engine's own counters.
 """
 
 from __future__ import annotations
@@ -56,3 +59,41 @@ class WallClock:
     def line(ms: dict[str, float]) -> str:
         """DeepSpeed's form: `time (ms) | fwd: 12.34 | bwd: 23.45 | step: 3.21`."""
         return "time (ms) | " + " | ".join(f"{PHASES[p]}: {ms[p]:.2f}" for p in PHASES)
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer`, over the engine's counters."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.epoch_count = 0
+        self._started = time.perf_counter()
+        self._first_samples = engine.global_samples
+
+    @property
+    def global_step_count(self) -> int:
+        """Optimizer steps taken."""
+        return self._engine.global_steps
+
+    @property
+    def micro_step_count(self) -> int:
+        """Micro-steps (forward/backward passes) taken."""
+        return self._engine.micro_steps
+
+    def update_epoch_count(self) -> None:
+        """Count one finished epoch."""
+        self.epoch_count += 1
+
+    def start(self) -> None:
+        """Restart the clock the rate is measured from."""
+        self._started = time.perf_counter()
+        self._first_samples = self._engine.global_samples
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """Accepted for DeepSpeed's callers; the counters live in the engine."""
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples (over all ranks) per second since the clock started."""
+        elapsed = time.perf_counter() - self._started
+        done = self._engine.global_samples - self._first_samples
+        return done / elapsed if elapsed > 0 else 0.0

@@ -148,19 +148,21 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                                    loss_scaling=scaler.enabled, shards_land=zero.stage >= 2,
                                    streams=streams)
     del owned
-    for unit in units:
+    frozen = layout.frozen if layout is not None else []
+    for unit in [*units, *frozen]:
         unit.cast(dtype or unit.dtype)
     store = None
     if layout is not None:  # the shards move to their placement now they are in the compute dtype
         store = make_store(zero.offload_param, cfg.aio,
-                           [u for u in units if u.index not in layout.persistent], rank=comm.rank,
-                           streams=streams)
+                           [u for u in [*units, *frozen] if u.index not in layout.persistent],
+                           rank=comm.rank, streams=streams)
     spec = _stage_spec(cfg, placement, units, dtype, replicas)
     policy = make_policy(units, opt_comm, spec, module=model, layout=layout, store=store,
                          syncs=syncs, early=placement.early, streams=streams)
     return ZeroOptimizer(model, torch_opt, opt_comm, units, policy, placement,
                          clip_norm=cfg.gradient_clipping, scaler=scaler, syncs=syncs,
-                         world_comm=comm)  # GatheredParameters' modifier_rank numbers the world
+                         world_comm=comm,  # GatheredParameters' modifier_rank numbers the world
+                         frozen_units=frozen)
 
 
 def _stage_spec(cfg: ZeroConfig, placement, units, dtype, replicas: Comm | None) -> StageSpec:
@@ -208,7 +210,7 @@ def _reduction(cfg: ZeroConfig) -> Reduction:
 def _move_rest(model: nn.Module, zopt: ZeroOptimizer, device: torch.device, dtype) -> None:
     """Frozen parameters and buffers (what the units do not hold) to the compute device, floating
     ones in the compute dtype; a tensor registered twice stays one tensor."""
-    in_units = {id(p) for unit in zopt.units for p in unit.params()}
+    in_units = {id(p) for unit in [*zopt.units, *zopt.frozen_units] for p in unit.params()}
 
     def place(tensor: torch.Tensor) -> torch.Tensor:
         out = to_device(tensor, device)
@@ -231,7 +233,7 @@ def _broadcast_from_rank0(model: nn.Module, zopt: ZeroOptimizer, comm: Comm) -> 
     """Give every rank rank 0's frozen parameters and buffers (the units were synced already)."""
     if comm.world_size == 1:
         return
-    in_units = {id(p) for unit in zopt.units for p in unit.params()}
+    in_units = {id(p) for unit in [*zopt.units, *zopt.frozen_units] for p in unit.params()}
     rest = [p.data for p in model.parameters() if id(p) not in in_units] + list(model.buffers())
     for tensor in rest:
         comm.broadcast(tensor, src=0)

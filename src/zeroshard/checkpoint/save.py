@@ -134,7 +134,14 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
             for key, value in tensor_state.items():
                 state[f"optim.{key}.{slot.name}"] = _sharded(unit, slot, world, rank, value)
             params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
-    in_units = {id(s.param) for u in opt.units for s in u.slots}
+    # Stage 3's frozen units: this rank's shard, in the compute dtype, under the same model.<name>
+    # keys as the trained parameters (no optimizer state); consolidate reads them alike.
+    for unit in () if exclude_frozen else opt.frozen_units:
+        shard = opt.policy.read_owned(unit).detach()
+        for slot in unit.slots:
+            state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard)
+            params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
+    in_units = {id(s.param) for u in [*opt.units, *opt.frozen_units] for s in u.slots}
     for name, param in engine.module.named_parameters():
         if id(param) not in in_units and not exclude_frozen:
             state[f"frozen.{name}"] = param.detach()
@@ -313,7 +320,9 @@ def _fsync_dir(path: str) -> None:
 
 def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
     """`module.state_dict()` key -> the saved entry holding it (tied weights share one)."""
-    saved_name = {id(s.param): f"model.{s.name}" for u in engine.optimizer.units for s in u.slots}
+    opt = engine.optimizer
+    units = [*opt.units, *(() if exclude_frozen else opt.frozen_units)]
+    saved_name = {id(s.param): f"model.{s.name}" for u in units for s in u.slots}
     for name, param in engine.module.named_parameters():
         if id(param) not in saved_name and not exclude_frozen:
             saved_name[id(param)] = f"frozen.{name}"

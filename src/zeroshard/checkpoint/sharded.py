@@ -218,6 +218,9 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
         # gathered stage-3 units belong to the old state.
         opt.policy.reset()
         for unit, tensors in loaded:
+            if unit.group_index < 0:
+                _install_frozen(opt, unit, tensors)
+                continue
             _install(opt, unit, tensors, groups[unit.group_index] if with_optim else None)
         opt.placement.flush()
         opt.policy.gather_params()
@@ -256,9 +259,18 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     if absent:
         raise CheckpointError(f"{path} has no {absent[0]} ({len(absent)} entries missing; "
                               "load_optimizer_states=False loads the weights alone)")
-    in_units = {id(s.param) for u in opt.units for s in u.slots}
-    rest = {f"frozen.{n}": p.detach() for n, p in engine.module.named_parameters()
-            if id(p) not in in_units}
+    frozen_state, frozen_loaded = _frozen_targets(engine, saved_keys)
+    state.update(frozen_state)
+    loaded += frozen_loaded
+    in_units = {id(s.param) for u in [*opt.units, *opt.frozen_units] for s in u.slots}
+    rest = {}
+    for n, p in engine.module.named_parameters():
+        if id(p) in in_units:
+            continue
+        if f"frozen.{n}" in saved_keys or f"model.{n}" not in saved_keys:
+            rest[f"frozen.{n}"] = p.detach()
+        else:  # saved sharded by a stage-3 engine: the whole parameter reads every fragment
+            rest[f"model.{n}"] = p.detach().view(-1)
     rest.update({f"buffer.{n}": b.detach() for n, b in engine.module.named_buffers()})
     # Frozen parameters saved with exclude_frozen_parameters keep their current values.
     state.update({k: v for k, v in rest.items() if k in saved_keys})
@@ -271,6 +283,47 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     rng = read_rng(path, comm.rank, files) if with_engine else None
     client_state = torch_load_verified(path, CLIENT, files)
     return meta, reader, state, loaded, rng, client_state
+
+
+def _frozen_targets(engine, saved_keys: set):
+    """DCP read targets for stage 3's frozen units, and [(unit, tensors)] for `_install_frozen`.
+
+    Each unit reads into a copy of this rank's shard (what the checkpoint lacks, saved with
+    exclude_frozen_parameters, keeps its value): its fragments, where a stage-3 engine saved them
+    (`model.<name>`), or the whole parameter where stages 0-2 saved it (`frozen.<name>`; the load
+    then holds those parameters whole, one checkpoint's worth at once)."""
+    opt, comm = engine.optimizer, engine.comm
+    mics = replica_targets(opt)
+    read_as = (*mics, comm.rank) if mics else (comm.world_size, comm.rank, None)
+    state, loaded = {}, []
+    for unit in opt.frozen_units:
+        shard, wholes = None, []
+        for slot in unit.slots:
+            if f"model.{slot.name}" in saved_keys:
+                shard = opt.policy.read_owned(unit).detach().clone() if shard is None else shard
+                state[f"model.{slot.name}"] = _sharded(unit, slot, read_as[0], read_as[1], shard,
+                                                       read_as[2])
+            elif f"frozen.{slot.name}" in saved_keys:
+                whole = torch.empty(slot.shape, dtype=unit.dtype, device=unit.compute_device)
+                state[f"frozen.{slot.name}"] = whole
+                wholes.append((slot, whole))
+        if shard is None and wholes:
+            shard = opt.policy.read_owned(unit).detach().clone()
+        if shard is not None:
+            loaded.append((unit, {"model": shard, "wholes": wholes}))
+    return state, loaded
+
+
+def _install_frozen(opt, unit, tensors: dict) -> None:
+    """Write a frozen unit's loaded shard (whole parameters cut to this rank's part first)."""
+    shard = tensors["model"]
+    lo, hi = unit.shard_bounds(opt.comm.rank)
+    for slot, whole in tensors["wholes"]:
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < end:
+            shard[start - lo:end - lo].copy_(
+                whole.reshape(-1)[start - slot.offset:end - slot.offset])
+    opt.policy.write_owned(unit, shard)
 
 
 def _targets(engine, groups, with_optim: bool):

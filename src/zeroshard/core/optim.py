@@ -51,11 +51,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  units: list[Unit], policy: StagePolicy, placement, *, clip_norm: float,
-                 scaler: LossScaler, syncs: HostSyncs, world_comm: Comm | None = None):
+                 scaler: LossScaler, syncs: HostSyncs, world_comm: Comm | None = None,
+                 frozen_units: list[Unit] = ()):
         """Compose the parts `build.py` made: `units` (cast to the compute dtype), the stage
         `policy` over them, and the `placement` of masters and optimizer state (which re-seated
         `optimizer` on its masters). `world_comm` numbers ranks for GatheredParameters when
-        `comm` is a MiCS shard group."""
+        `comm` is a MiCS shard group; `frozen_units`: stage 3's units of frozen parameters
+        (sharded, gathered by the policy, no masters)."""
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -65,6 +67,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.model = model
         self.units = units
+        #: Stage 3's units of frozen parameters: the policy gathers them, nothing steps them.
+        self.frozen_units = list(frozen_units)
         self.policy = policy
         self.placement = placement
         self.masters = placement.masters
@@ -79,7 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.steps = 0
         #: The I/O error (NvmeError) of a step that failed half-way; cleared by loading a checkpoint.
         self.broken: OSError | None = None
-        for unit in self.units:  # GatheredParameters & co. find the owner of a parameter here
+        for unit in [*self.units, *self.frozen_units]:  # GatheredParameters & co. look here
             register(self, unit, world_comm or comm)
 
     # -- construction --------------------------------------------------------------------------
@@ -88,6 +92,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         slot = next(s for s in unit.slots if s.param is param)
         lo, hi = self.policy.owned_bounds(unit)
         self.policy.commit(unit)
+        if unit.group_index < 0:
+            return  # a frozen unit has no master
         start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
         if start < end:
             owned = self.policy.read_owned(unit)
@@ -251,7 +257,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Remove the policy's hooks, release offload files and threads (see Engine.destroy)."""
         self.policy.close(keep_parameters)
         self.placement.close()
-        for unit in self.units:
+        for unit in [*self.units, *self.frozen_units]:
             forget(unit)
 
 

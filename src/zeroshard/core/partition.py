@@ -34,6 +34,8 @@ from .layout import Slot, Unit, build_units, full_numel, full_shape, padded_size
 EXTERNAL_ATTR = "_zeroshard_external_params"
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+#: The group index of a unit of frozen parameters (no optimizer param group).
+FROZEN = -1
 
 
 @dataclass
@@ -50,6 +52,9 @@ class Stage3Layout:
     modules: list[nn.Module] = field(default_factory=list)
     #: Indices of units that stay whole on every rank (small parameters).
     persistent: set[int] = field(default_factory=set)
+    #: Units of frozen parameters (no gradient, no optimizer state): sharded and gathered like
+    #: the others, never reduced; their indices follow every unit of `units`.
+    frozen: list[Unit] = field(default_factory=list)
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -102,7 +107,9 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
                         bucket_numel: int, persistence_threshold: int,
                         class_names: list[str] | None = None,
                         device: torch.device | None = None) -> Stage3Layout:
-    """Lay out `model`'s trainable parameters as stage-3 units (sizes and places only)."""
+    """Lay out `model`'s parameters as stage-3 units (sizes and places only): trainable ones (in
+    `group_of`) by optimizer group, and frozen ones (requires_grad False, not in the optimizer)
+    in units of their own, so a frozen base is sharded too."""
     blocks = unit_modules(model, class_names)
     block_prefixes = [name + "." for name, _ in blocks]
     modules = dict(model.named_modules())
@@ -110,10 +117,12 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
     by_owner: dict[str, list[tuple[str, nn.Parameter]]] = {}  # registration order of first param
     persistent_params: list[tuple[str, nn.Parameter]] = []
     for name, param in model.named_parameters():  # a tied weight once, under its first name
-        if id(param) not in group_of:
-            continue
+        trained = id(param) in group_of
+        if not trained and param.requires_grad:
+            continue  # gets gradients but no optimizer steps it: kept whole, as below stage 3
         if full_numel(param) < persistence_threshold:
-            persistent_params.append((name, param))
+            if trained:
+                persistent_params.append((name, param))
             continue
         owner = next((p[:-1] for p in block_prefixes if name.startswith(p)), None)
         if owner is None:
@@ -124,12 +133,17 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
         by_owner.setdefault(owner, []).append((name, param))
 
     units: list[Unit] = []
+    frozen: list[tuple[str, list]] = []  # (owner, members) of frozen units, numbered last
     units_of: dict[str, list[int]] = {}
     for owner, params in by_owner.items():
         groups: dict[tuple[int, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
         for name, param in params:
-            groups.setdefault((group_of[id(param)], param.dtype), []).append((name, param))
+            groups.setdefault((group_of.get(id(param), FROZEN), param.dtype), []).append(
+                (name, param))
         for (group, dtype), members in groups.items():
+            if group == FROZEN:
+                frozen.append((owner, members))
+                continue
             unit = _make_unit(len(units), group, dtype, members, world_size, device)
             unit.owner = owner or "<root>"
             units.append(unit)
@@ -142,6 +156,14 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
         unit.owner = "<persistent>"
         layout.units.append(unit)
         layout.persistent.add(unit.index)
+    frozen_of: dict[str, list[int]] = {}
+    for owner, members in frozen:
+        unit = _make_unit(len(layout.units) + len(layout.frozen), FROZEN, members[0][1].dtype,
+                          members, world_size, device)
+        unit.owner = owner or "<root>"
+        layout.frozen.append(unit)
+        units_of.setdefault(owner, []).append(unit.index)
+        frozen_of.setdefault(owner, []).append(unit.index)
 
     def units_for(params) -> set[int]:
         return {i for p in params if id(p) in owner_of for i in units_of[owner_of[id(p)]]}
@@ -161,7 +183,10 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
         if not needed and module is not model:  # the root's pre-hook also marks each new step
             continue
         layout.needs[id(module)] = sorted(needed)
-        layout.borrowed[id(module)] = sorted(needed - set(units_of.get(name, ())))
+        # Borrowed and frozen units get no gradient to wait for: released once the module's
+        # backward has reached its inputs.
+        own_trained = set(units_of.get(name, ())) - set(frozen_of.get(name, ()))
+        layout.borrowed[id(module)] = sorted(needed - own_trained)
         layout.modules.append(module)
     return layout
 

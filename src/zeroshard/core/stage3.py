@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..dist import Comm
 from .stage3_views import add_external_parameters_method
+from . import generation
 from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
@@ -72,14 +73,17 @@ class Stage3(Stage2):
         self.gather = gather if gather is not None else Gather(comm)
         self.reducer = reducer if reducer is not None else Reduce(comm)
         self.options = spec.stage3
-        self.by_index = {u.index: u for u in units}
-        self.sharded = {u.index for u in units if u.index not in layout.persistent}
+        #: Units of frozen parameters (`partition.py`): gathered and released like the others,
+        #: never reduced, no optimizer state.
+        self.frozen = list(layout.frozen)
+        self.by_index = {u.index: u for u in [*units, *self.frozen]}
+        self.sharded = {u.index for u in [*units, *self.frozen] if u.index not in layout.persistent}
         # On CPU, freed 28 MB buffers stay in glibc's heap; CUDA's caching allocator reuses them.
         on_cpu = all(u.compute_device.type == "cpu" for u in units)
         self.gathered_pool = StoragePool() if on_cpu and \
             hasattr(torch.UntypedStorage, "_swap_data_ptr_") else None
         # The sharded units arrive partitioned (materialize.py): only this rank's shards exist.
-        self.schedule = Schedule({u.index: u.padded_numel for u in units},
+        self.schedule = Schedule({u.index: u.padded_numel for u in self.by_index.values()},
                                  self.options.max_reuse_distance)
         self.pending: dict[int, object] = {}  # unit index -> in-flight gather handle
         self.active: dict[int, int] = {}  # unit index -> modules running forward that need it
@@ -87,7 +91,7 @@ class Stage3(Stage2):
         self.live_numel = 0
         self.peak_live_numel = 0
         self.store = store if store is not None else \
-            ShardStore([u for u in units if u.index in self.sharded])
+            ShardStore([u for u in self.by_index.values() if u.index in self.sharded])
         self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
         super().__init__(units, comm, spec, module=module, syncs=syncs, early=early,
                          streams=streams)
@@ -115,14 +119,16 @@ class Stage3(Stage2):
 
     def param_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: shards, plus full buffers of gathered units."""
-        return [u.shard if u.index in self.sharded else u.flat for u in self.units] + \
-            [u.flat for u in self.units if u.index in self.sharded and u.is_gathered] + \
+        every = [*self.units, *self.frozen]
+        return [u.shard if u.index in self.sharded else u.flat for u in every] + \
+            [u.flat for u in every if u.index in self.sharded and u.is_gathered] + \
             self.gather.tensors()
 
     def placed_param_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Offloaded shards under their placement; persistent and gathered units on the device."""
         placed = {self.store.name: self.store.tensors()}
-        device = [u.flat for u in self.units if u.index not in self.sharded or u.is_gathered]
+        device = [u.flat for u in [*self.units, *self.frozen]
+                  if u.index not in self.sharded or u.is_gathered]
         placed.setdefault("device", []).extend(device + self.gather.tensors())
         return placed
 
@@ -226,6 +232,8 @@ class Stage3(Stage2):
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)
         self._guard_saving()
+        if self.module is not None:
+            generation.install(self.module, self)
         for module in self.layout.modules:
             needs = self.layout.needs[id(module)]
             borrowed = self.layout.borrowed.get(id(module), [])
@@ -235,12 +243,12 @@ class Stage3(Stage2):
             self.hooks.append(module.register_forward_pre_hook(
                 lambda mod, args, n=needs, r=is_root: self._pre_forward(n, r)))
             self.hooks.append(module.register_forward_hook(
-                lambda mod, args, kwargs, out, n=needs, b=borrowed:
-                self._post_forward(n, out, b, (args, kwargs)), with_kwargs=True))
+                lambda mod, args, kwargs, out, n=needs, b=borrowed, r=is_root:
+                self._post_forward(n, out, b, (args, kwargs), r), with_kwargs=True))
 
     def _guard_saving(self) -> None:
         """torch.save of released parameters raises, state_dict() warns (guards.py)."""
-        sharded = {id(p) for u in self.units if u.index in self.sharded for p in u.params()}
+        sharded = {id(p) for i in self.sharded for p in self.by_index[i].params()}
         for param in self.module.parameters():
             if id(param) in sharded:
                 guard_pickling(param)
@@ -261,7 +269,8 @@ class Stage3(Stage2):
         if not in_backward:
             self._prefetch()
 
-    def _post_forward(self, needs: list[int], output, borrowed: list[int], inputs) -> None:
+    def _post_forward(self, needs: list[int], output, borrowed: list[int], inputs,
+                      is_root: bool = False) -> None:
         for index in needs:
             self.active[index] = max(0, self.active.get(index, 0) - 1)
         if _in_backward():
@@ -287,6 +296,10 @@ class Stage3(Stage2):
                     self.live_numel <= self.options.max_live_parameters:
                 continue
             self._release_after_forward(index, wants_backward)
+        if is_root and not wants_backward:
+            # No backward follows this forward (evaluation, generation): nothing it gathered or
+            # prefetched stays beyond the persistent units and what GatheredParameters pins.
+            self.reshard_all()
 
     def _release_after_forward(self, index: int, wants_backward: bool) -> None:
         """A unit's forward use is over: free it, after the gather strategy kept what makes its
@@ -400,6 +413,8 @@ class Stage3(Stage2):
         module works on its own again; without it the parameters stay empty (no full model in
         memory, e.g. one that fits only because its shards were on NVMe)."""
         super().close()
+        if self.module is not None:
+            generation.uninstall(self.module)
         for index in sorted(self.sharded):
             self.pinned.pop(index, None)
         try:

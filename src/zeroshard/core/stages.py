@@ -36,13 +36,16 @@ def lay_out(model: nn.Module, group_of: dict[int, int], comm: Comm, stage: int, 
             ) -> tuple[list[Unit], Stage3Layout | None]:
     """The units of `model`'s trained parameters, every rank holding rank 0's values: whole below
     stage 3; at stage 3 only this rank's shard of each sharded unit (one unit at a time, so the
-    rank never holds the whole model). Returns the units and stage 3's layout (None below)."""
+    rank never holds the whole model), frozen parameters included (`layout.frozen`). Returns the
+    trained units and stage 3's layout (None below)."""
     if stage == 3:
         layout = build_stage3_layout(model, group_of, comm.world_size, bucket_numel,
                                      persistence_threshold, unit_classes, device)
-        # Parameters partitioned at construction that no optimizer steps are whole again.
-        take_full(p for p in model.parameters() if id(p) not in group_of)
-        materialize(layout.units, layout.persistent, comm)
+        # Parameters partitioned at construction in no unit (small frozen ones, or ones that get
+        # gradients no optimizer steps) are whole again; frozen units stay sharded.
+        in_units = {id(p) for u in layout.units + layout.frozen for p in u.params()}
+        take_full(p for p in model.parameters() if id(p) not in in_units)
+        materialize(layout.units + layout.frozen, layout.persistent, comm)
         return layout.units, layout
     take_full(model.parameters())  # built under a stage-3 Init: whole again
     # named_parameters() yields a tied weight once, under its first name.

@@ -18,8 +18,15 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     state = consolidated_state_dict(checkpoint_dir, tag, torch.float32)
     if exclude_frozen_parameters:
         with open(os.path.join(tag_path(checkpoint_dir, tag), META)) as fh:
-            saved_as = json.load(fh)["state_dict"]  # state-dict name -> key in the checkpoint
-        state = {k: v for k, v in state.items() if not saved_as.get(k, "").startswith("frozen.")}
+            meta = json.load(fh)
+        saved_as = meta["state_dict"]  # state-dict name -> key in the checkpoint
+        params = meta.get("params", {})
+
+        def frozen(key: str) -> bool:  # saved whole below stage 3; sharded in group -1 at stage 3
+            return key.startswith("frozen.") or \
+                params.get(key[len("model."):], {}).get("group", 0) < 0
+
+        state = {k: v for k, v in state.items() if not frozen(saved_as.get(k, ""))}
     return state
 
 

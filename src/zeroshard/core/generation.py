@@ -1,0 +1,56 @@
+"""Generation at stage 3: `model.generate(...)` runs one forward per token, and gathering every unit
+for each of them is most of its time. While the model fits (its sharded units together are at
+most `stage3_max_live_parameters` elements), the whole call runs with every unit gathered once
+(exact weights, also under qwZ) and released when it returns; otherwise each forward gathers as
+in training. With more than one rank, a Hugging Face `generate` is run with `synced_gpus=True`
+unless the caller says otherwise, so a rank that finished its sequences keeps joining the
+gathers of the others instead of leaving them waiting (DeepSpeed's ZeRO-3 behaviour).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from torch import nn
+
+#: The attribute holding the module's own `generate` while the stage-3 one is installed.
+_ORIGINAL = "_zeroshard_generate"
+
+
+def install(module: nn.Module, policy) -> None:
+    """Give `module` (if it has a `generate` method) the stage-3 `generate` described above."""
+    original = getattr(module, "generate", None)
+    if original is None or not callable(original) or _ORIGINAL in module.__dict__:
+        return
+    takes_synced = "synced_gpus" in _parameters(original)
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if takes_synced and policy.comm.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        indices = sorted(policy.sharded)
+        numel = sum(policy.by_index[i].padded_numel for i in indices)
+        if numel > policy.options.max_live_parameters:
+            return original(*args, **kwargs)
+        policy.pin(indices)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            policy.unpin(indices)
+
+    module.__dict__[_ORIGINAL] = original
+    module.generate = generate
+
+
+def uninstall(module: nn.Module) -> None:
+    """Give `module` its own `generate` back."""
+    if module.__dict__.pop(_ORIGINAL, None) is not None:
+        module.__dict__.pop("generate", None)
+
+
+def _parameters(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -14,6 +14,7 @@ from .build import initialize, is_initialized, prepare
 from .engine import Engine
 from .core.gathered import GatheredParameters
 from .core.init import Init, load_full_state_dict, register_library_hooks
+from .core.agreement import RankMismatchError
 from .core.desync import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
 from .core.scaler import LossScaleError
@@ -74,7 +75,7 @@ def add_config_arguments(parser):
 
 
 __all__ = [
-    "Accelerator", "DeepSpeedPlugin", "ConfigError", "DesyncError", "Engine", "GatheredParameters", "Init", "LossScaleError",
+    "Accelerator", "DeepSpeedPlugin", "ConfigError", "DesyncError", "RankMismatchError", "Engine", "GatheredParameters", "Init", "LossScaleError",
     "NonFiniteGradientError", "NotSupportedYetError", "ZeroOptimizer", "add_config_arguments", "init_distributed", "initialize", "is_initialized",
     "load_config", "load_full_state_dict", "prepare", "accelerator", "comm", "get_accelerator",
     "ops", "utils", "zero", "__version__",

@@ -74,14 +74,20 @@ PREEMPTED = textwrap.dedent("""
 """)
 
 
-def test_sigterm_to_the_launcher_exits_143_not_as_a_crash(tmp_path):
-    """A scheduler's SIGTERM reaches the workers (which save and exit 0); the launcher then exits
-    143 with one line, not 1 with a traceback, so preemption is told apart from a failure."""
+UNHANDLED = textwrap.dedent("""
+    import os, sys, time
+    open(os.path.join(sys.argv[1], "ready"), "w").close()
+    time.sleep(120)
+""")
+
+
+def _preempt(tmp_path, source: str):
+    """Run `source` under `zeroshard run`, SIGTERM the launcher once it is ready: (code, stderr)."""
     import signal
     import time
 
     script = tmp_path / "preempted.py"
-    script.write_text(PREEMPTED)
+    script.write_text(source)
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
     proc = subprocess.Popen([sys.executable, "-m", "zeroshard.cli", "run", "--nproc-per-node", "1",
                              str(script), str(tmp_path)], stdout=subprocess.PIPE,
@@ -91,6 +97,21 @@ def test_sigterm_to_the_launcher_exits_143_not_as_a_crash(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
-    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    return proc.returncode, err
+
+
+def test_sigterm_to_the_launcher_exits_0_when_every_worker_saved_and_exited_0(tmp_path):
+    """A scheduler's SIGTERM reaches the workers (which save and exit 0): the launcher exits 0 with
+    one line, not 1 with a traceback."""
+    code, err = _preempt(tmp_path, PREEMPTED)
+    assert code == 0, err[-2000:]
+    assert "stopped by SIGTERM" in err and "exited 0" in err and "Traceback" not in err
     assert (tmp_path / "saved").exists()
+
+
+def test_sigterm_to_the_launcher_exits_143_when_a_worker_was_stopped_by_it(tmp_path):
+    """A worker without a handler dies of the SIGTERM: the launcher exits 143 (as a process stopped
+    by SIGTERM), so preemption is told apart from a crash (1)."""
+    code, err = _preempt(tmp_path, UNHANDLED)
+    assert code == 143, err[-2000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err

@@ -202,11 +202,17 @@ def run_command(argv: list[str]) -> int:
             return code if isinstance(code, int) and code > 0 else 1
         except SignalException as err:
             # torchrun forwarded the signal to the workers and stopped them: a preemption, not a
-            # crash. Exit as a process stopped by that signal does (SIGTERM 143, SIGINT 130), so
-            # that a scheduler can tell the two apart; a script that saves on SIGTERM has saved.
+            # crash. If every worker then exited 0 (a script that saves on SIGTERM and returns),
+            # so does the launcher; otherwise it exits as a process stopped by that signal does
+            # (SIGTERM 143, SIGINT 130), so that a scheduler can tell the two apart.
             name = signal.Signals(err.sigval).name
-            print(f"zeroshard run: stopped by {name}, which the workers were sent too",
-                  file=sys.stderr)
+            codes = _worker_exit_codes()
+            if codes and all(code == 0 for code in codes):
+                print(f"zeroshard run: stopped by {name}, which the workers were sent too; "
+                      f"all {len(codes)} exited 0", file=sys.stderr)
+                return 0
+            print(f"zeroshard run: stopped by {name}, which the workers were sent too"
+                  + (f" (their exit codes: {codes})" if codes else ""), file=sys.stderr)
             return 128 + int(err.sigval)
         if args.zero_expected and not os.listdir(engaged):
             print(f"zeroshard run: {args.zero_expected}, but no worker built a ZeRO engine: the "
@@ -216,6 +222,24 @@ def run_command(argv: list[str]) -> int:
                   "train with it (evaluation only) can pass --no-zero-check.", file=sys.stderr)
             return 1
     return 0
+
+
+#: The worker processes of the current attempt (recorded where the parent-death signal is set).
+_WORKERS: list = []
+
+
+def _worker_exit_codes(timeout: float = 10.0) -> list[int]:
+    """The exit codes of the current attempt's workers, once they have ended (torchrun has
+    signalled them); [] where they were not recorded or one is still running."""
+    import subprocess
+
+    codes = []
+    for proc in _WORKERS:
+        try:
+            codes.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            return []
+    return codes
 
 
 def workers_die_with_launcher() -> bool:
@@ -248,7 +272,10 @@ def workers_die_with_launcher() -> bool:
     def popen(*args, **kwargs):
         if kwargs.get("preexec_fn") is None:
             kwargs["preexec_fn"] = die_with_launcher
-        return subprocess.Popen(*args, **kwargs)
+        proc = subprocess.Popen(*args, **kwargs)
+        # The workers of this attempt (an elastic restart's earlier ones have exited).
+        _WORKERS[:] = [p for p in _WORKERS if p.poll() is None] + [proc]
+        return proc
 
     popen.zeroshard_pdeathsig = True
     handler.Popen = popen

@@ -115,3 +115,31 @@ def test_sigterm_to_the_launcher_exits_143_when_a_worker_was_stopped_by_it(tmp_p
     code, err = _preempt(tmp_path, UNHANDLED)
     assert code == 143, err[-2000:]
     assert "stopped by SIGTERM" in err and "Traceback" not in err
+
+
+def test_the_preemption_example_saves_at_one_step_exits_0_and_resumes(tmp_path):
+    """examples/train_preemptible.py at 2 ranks: SIGTERM to the launcher -> every rank saves the
+    same step, the launcher exits 0; started again, it resumes from that step."""
+    import re
+    import signal
+    import time
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_preemptible.py")
+    ckpt, ready = tmp_path / "ckpt", tmp_path / "ready"
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"),
+               ZEROSHARD_QUIET="1")
+    base = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc-per-node", "2", example,
+            "--ckpt", str(ckpt)]
+    proc = subprocess.Popen(base + ["--ready", str(ready)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    saved = int(re.search(r"preempted: saved step (\d+)", out).group(1))
+    again = subprocess.run(base + ["--steps", str(saved + 2)], capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed at step {saved}" in again.stdout, again.stdout

@@ -62,6 +62,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
+
+
 def add_config_arguments(parser):
     """Add DeepSpeed's `--deepspeed` and `--deepspeed_config` options to an argparse parser."""
     group = parser.add_argument_group("zeroshard", "zeroshard / DeepSpeed configuration")

@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ds_example_model as m  # noqa: E402
-from zeroshard.cli.deepspeed_flags import _physical_cores  # noqa: E402
+from zeroshard.compat.deepspeed.launcher_flags import _physical_cores  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "tests" / "ds_example_script.py"

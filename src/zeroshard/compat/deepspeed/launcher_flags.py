@@ -1,6 +1,6 @@
 """DeepSpeed's launcher flags for `zeroshard run`, each mapped onto torchrun (zeroshard never ssh-es).
 
-  --num_gpus / --num_accelerators N   --nproc-per-node N      (launch.py adds --num_gpus)
+  --num_gpus / --num_accelerators N   --nproc-per-node N      (cli/launch.py adds it)
   --num_nodes N                       --nnodes N (the first N hosts of a --hostfile)
   --master_addr, --master_port, --node_rank, --module, --no_python: torchrun's own options
   -i/--include, -e/--exclude SPEC     this node's device ids ("localhost:0,2", DeepSpeed's
@@ -13,11 +13,11 @@
                                       Slurm command lines
   --bind_cores_to_rank, --bind_core_list L   each rank pinned to its share of the cores (the
                                       cores of L, else one per physical core this process may
-                                      use) and OMP_NUM_THREADS set to that share (bind.py)
+                                      use) and OMP_NUM_THREADS set to that share (cli/bind.py)
   --enable_each_rank_log DIR          torchrun's --log-dir DIR --redirects 3
   --no_ssh, --no_ssh_check, --log_level, -q/--quiet   accepted; nothing to change
 DeepSpeed-only options (--launcher, --autotuning, ...) are errors that say what to do instead.
-Problems raise ValueError; launch.py reports them as one usage line.
+Problems raise ValueError; cli/launch.py reports them as one usage line.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _filter_devices(include: str, exclude: str, available: list[int], checked: b
 def core_assignment(core_list: str | None, nproc: int) -> str:
     """bind.py's per-rank core lists ("0-3;4-7"): the cores of `core_list` (DeepSpeed's syntax),
     else one logical CPU per physical core this process may use, split evenly in order."""
-    from .bind import parse_cores
+    from ...cli.bind import parse_cores
 
     if core_list:
         try:

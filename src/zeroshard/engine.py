@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from .dist import Comm
 from .config.schema import ZeroConfig
 from .monitor.timers import ThroughputTimer
 from .core.no_optimizer import REFUSAL, is_placeholder
+from .core.layout import plain_named
 from .core.optim import ZeroOptimizer
 from .activations.checkpointing import use_engine_config
 from .monitor import MonitorMaster, TrainingWatch
@@ -249,6 +250,39 @@ class Engine(nn.Module):
                                    load_lr_scheduler_states, load_module_only,
                                    strict=load_module_strict)
 
+    # -- torch.compile -----------------------------------------------------------------------------
+    def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None,
+                schedule=None, compiled_autograd_enabled: bool = False) -> None:
+        """Compile the wrapped module in place with `torch.compile` (DeepSpeed's signature)."""
+        # The module is compiled in place (`nn.Module.compile`), so parameter and checkpoint
+        # names stay plain. Stage-3 gathers and releases run in hooks that torch.compile does not
+        # trace (core/policy.py `eager_hook`): the graphs break at unit boundaries only.
+        if self.is_compiled:
+            return
+        compile_kwargs = dict(compile_kwargs or {})
+        if "backend" in compile_kwargs:
+            warnings.warn("engine.compile: the backend in compile_kwargs is overridden by the "
+                          "backend argument; pass it as engine.compile(backend=...)", stacklevel=2)
+        if schedule is not None:
+            warnings.warn("engine.compile: schedule (DeepSpeed's DeepCompile passes) has no "
+                          "effect in zeroshard; ignored (leave it None)", stacklevel=2)
+        if compiled_autograd_enabled:
+            warnings.warn("engine.compile: compiled_autograd_enabled has no effect in zeroshard; "
+                          "ignored (the backward runs the compiled graphs' own backward)",
+                          stacklevel=2)
+        compile_kwargs["backend"] = backend
+        self.module.compile(**compile_kwargs)
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the wrapped module is compiled: by `engine.compile`, or by `torch.compile` /
+        `module.compile()` before `initialize`."""
+        module = self.module
+        return bool(self.__dict__.get("_compiled")) or \
+            getattr(module, "_compiled_call_impl", None) is not None or \
+            isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
     def gathered_model(self):
         """Context with every parameter whole on every rank (stage 3), e.g. around a generation loop.
 
@@ -274,7 +308,8 @@ class Engine(nn.Module):
         dict on rank 0 (empty elsewhere), without frozen parameters if asked (PEFT adapters)."""
         state = self.consolidated_state_dict(rank0_only=True)
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            frozen = {n for n, p in plain_named(self.module.named_parameters())
+                      if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 

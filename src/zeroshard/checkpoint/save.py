@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core.hostmem import host_region
+from ..core.layout import plain_named
 from ..dist.process_group import describe_step_counts, step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         remove_leftovers, write_file, writer_id)
@@ -142,10 +143,10 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
             state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard)
             params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
     in_units = {id(s.param) for u in [*opt.units, *opt.frozen_units] for s in u.slots}
-    for name, param in engine.module.named_parameters():
+    for name, param in plain_named(engine.module.named_parameters()):
         if id(param) not in in_units and not exclude_frozen:
             state[f"frozen.{name}"] = param.detach()
-    for name, buf in engine.module.named_buffers():
+    for name, buf in plain_named(engine.module.named_buffers()):
         state[f"buffer.{name}"] = buf.detach()
     needed = _bytes_to_write(state, rank)
     try:
@@ -323,10 +324,11 @@ def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
     opt = engine.optimizer
     units = [*opt.units, *(() if exclude_frozen else opt.frozen_units)]
     saved_name = {id(s.param): f"model.{s.name}" for u in units for s in u.slots}
-    for name, param in engine.module.named_parameters():
+    for name, param in plain_named(engine.module.named_parameters()):
         if id(param) not in saved_name and not exclude_frozen:
             saved_name[id(param)] = f"frozen.{name}"
-    for name, buf in engine.module.named_buffers():
+    for name, buf in plain_named(engine.module.named_buffers()):
         saved_name.setdefault(id(buf), f"buffer.{name}")
-    return {key: saved_name[id(t)] for key, t in engine.module.state_dict(keep_vars=True).items()
+    return {key: saved_name[id(t)]
+            for key, t in plain_named(engine.module.state_dict(keep_vars=True).items())
             if id(t) in saved_name}

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
+from ..core.layout import plain_named
 from ..core.mics import replica_targets
 from .directory import describe_failure
 from .run_state import read_rng, set_rng_state
@@ -264,14 +265,14 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     loaded += frozen_loaded
     in_units = {id(s.param) for u in [*opt.units, *opt.frozen_units] for s in u.slots}
     rest = {}
-    for n, p in engine.module.named_parameters():
+    for n, p in plain_named(engine.module.named_parameters()):
         if id(p) in in_units:
             continue
         if f"frozen.{n}" in saved_keys or f"model.{n}" not in saved_keys:
             rest[f"frozen.{n}"] = p.detach()
         else:  # saved sharded by a stage-3 engine: the whole parameter reads every fragment
             rest[f"model.{n}"] = p.detach().view(-1)
-    rest.update({f"buffer.{n}": b.detach() for n, b in engine.module.named_buffers()})
+    rest.update({f"buffer.{n}": b.detach() for n, b in plain_named(engine.module.named_buffers())})
     # Frozen parameters saved with exclude_frozen_parameters keep their current values.
     state.update({k: v for k, v in rest.items() if k in saved_keys})
     # Exactly the byte ranges DCP will read for this rank: DCP's own planner says which.
@@ -362,11 +363,11 @@ def _targets(engine, groups, with_optim: bool):
 def _check_strict(engine, meta, saved_keys: set, path: str) -> None:
     """load_module_strict: what the checkpoint holds and the model lacks, and the model's buffers
     the checkpoint lacks, are errors naming them (DeepSpeed's load_state_dict(strict=True))."""
-    names = {n for n, _ in engine.module.named_parameters()}
+    names = {n for n, _ in plain_named(engine.module.named_parameters())}
     extra = sorted(set(meta["params"]) - names)
     extra += sorted(k.split(".", 1)[1] for k in saved_keys
                     if k.startswith("frozen.") and k.split(".", 1)[1] not in names)
-    buffers = {f"buffer.{n}" for n, _ in engine.module.named_buffers()}
+    buffers = {f"buffer.{n}" for n, _ in plain_named(engine.module.named_buffers())}
     saved_buffers = {k for k in saved_keys if k.startswith("buffer.")}
     extra += sorted(k.split(".", 1)[1] for k in saved_buffers - buffers)
     lacking = sorted(k.split(".", 1)[1] for k in buffers - saved_buffers)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..dist import Comm, default_device
 from .init_units import gather_init_units
-from .layout import INIT_ATTR
+from .layout import INIT_ATTR, plain_name
 from .owners import owner_of
 
 
@@ -137,5 +137,6 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict:
                     copies[id(param)] = param.detach().clone()
     if not keep:
         return {}
-    return {name: copies[id(t)] if id(t) in copies else t.detach().clone()
+    # Plain names, also for a model wrapped by torch.compile (`_orig_mod.` dropped).
+    return {plain_name(name): copies[id(t)] if id(t) in copies else t.detach().clone()
             for name, t in tensors.items()}

@@ -58,6 +58,23 @@ def set_status(unit: "Unit", status: ZeroParamStatus) -> None:
         slot.param.ds_numel = slot.numel
 
 
+#: The attribute through which torch.compile's OptimizedModule holds the module it wraps.
+COMPILED_WRAPPER = "_orig_mod"
+
+
+def plain_name(name: str) -> str:
+    """`name` (of a parameter, buffer or module) without the `_orig_mod.` parts that wrapping a
+    module in `torch.compile` inserts, so checkpoints move between compiled and plain models."""
+    if COMPILED_WRAPPER not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != COMPILED_WRAPPER)
+
+
+def plain_named(pairs):
+    """`(plain_name(name), value)` for each pair of a `named_parameters()`-style iterator."""
+    return ((plain_name(name), value) for name, value in pairs)
+
+
 def full_shape(param: nn.Parameter) -> torch.Size:
     """A parameter's real shape, also while it is partitioned at construction (`ds_shape`)."""
     return param.ds_shape if hasattr(param, INIT_ATTR) else param.shape
@@ -77,6 +94,10 @@ class Slot:
     offset: int
     numel: int
     shape: torch.Size
+
+    def __post_init__(self):
+        # Names as in the plain model, also when it (or a block) was wrapped by torch.compile.
+        self.name = plain_name(self.name)
 
 
 @dataclass

@@ -26,6 +26,16 @@ from .streams import Streams
 MAX_IN_FLIGHT = 1
 
 
+def eager_hook(fn):
+    """`fn`, kept out of torch.compile's traced code (a graph break at each call instead)."""
+    # The hooks gather, free and re-point parameters (`param.data = ...`, storage swaps) and
+    # start collectives: traced, dynamo turns the `.data` assignments into in-graph `set_` calls
+    # that bump the parameters' version counters (the "modified by an inplace operation" error of
+    # backward) and fails on storage resizes; run eagerly, a compiled region only ever sees whole
+    # parameters, between the hooks at unit boundaries.
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class StagePolicy:
     """Base policy: full gradient buffers with parameter `.grad` views into them."""
 
@@ -116,6 +126,7 @@ class StagePolicy:
     armed = True  # whether this backward queues `_end_of_backward` (stage 0: boundary only)
     callback_queued = False
 
+    @eager_hook
     def _hook_outputs(self, _module, _inputs, output) -> None:
         """Forward hook on the model: a hook on its outputs queues the end-of-backward callback."""
         # The callback must join the *outer* backward: a hook on the model's outputs runs there

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from .hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
-from .policy import MAX_IN_FLIGHT, StagePolicy
+from .policy import MAX_IN_FLIGHT, StagePolicy, eager_hook
 
 
 class Stage2(StagePolicy):
@@ -59,6 +59,7 @@ class Stage2(StagePolicy):
         """Remember whether this backward ends the accumulation window (for the early step)."""
         self.boundary = boundary
 
+    @eager_hook
     def _hook_outputs(self, module, inputs, output) -> None:
         """As every policy; under the early CPU step also watch the outputs' gradients."""
         super()._hook_outputs(module, inputs, output)

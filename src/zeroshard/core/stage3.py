@@ -53,6 +53,7 @@ from .schedule import Schedule
 from .shard_store import ShardStore
 from .spec import StageSpec
 from .strategies import Gather, Reduce
+from .policy import eager_hook as _eager_hook
 from .stage2 import Stage2
 
 
@@ -256,6 +257,7 @@ class Stage3(Stage2):
             self.hooks.append(guard_state_dict(module))
         add_external_parameters_method(self.module)
 
+    @_eager_hook
     def _pre_forward(self, needs: list[int], is_root: bool) -> None:
         in_backward = _in_backward()
         if is_root and not in_backward:
@@ -269,6 +271,7 @@ class Stage3(Stage2):
         if not in_backward:
             self._prefetch()
 
+    @_eager_hook
     def _post_forward(self, needs: list[int], output, borrowed: list[int], inputs,
                       is_root: bool = False) -> None:
         for index in needs:
@@ -312,6 +315,7 @@ class Stage3(Stage2):
         self.reshard(index)
 
     # -- backward ----------------------------------------------------------------------------------
+    @_eager_hook
     def _pre_backward(self, needs: list[int], fired: list[bool]) -> None:
         self._queue_end_of_backward()
         if fired[0]:
@@ -321,6 +325,7 @@ class Stage3(Stage2):
         self.unshard(needs)
         self._prefetch()
 
+    @_eager_hook
     def _post_backward(self, borrowed: list[int], done: list[bool]) -> None:
         """A module's backward reached its inputs: free the units it only borrowed (their
         gradients are accumulated later, after their owner's pre-backward gathers them again)

@@ -1,7 +1,8 @@
 """Greedy `generate()` speed of a Hugging Face GPT-2 wrapped by an engine without an optimizer, 2 CPU
-ranks: stage 2 (parameters whole), stage 3 (the model gathered once for all decode steps, as while
-it fits in stage3_max_live_parameters), and stage 3 over that budget (every decode step gathers
-unit by unit, stage3_max_reuse_distance 0).
+ranks, next to plain torch (the same model, no engine): stage 2 (parameters whole), stage 3 built
+partitioned and built whole (the model gathered once per `generate` call while it fits in
+stage3_max_live_parameters, core/generation.py), and stage 3 over that budget (every decode step
+gathers unit by unit).
 
 Each variant runs in fresh processes (torchrun); the figure is new tokens per second on rank 0
 (median of --rounds generate calls after one warm-up), with the all-gather bytes per call.
@@ -20,11 +21,13 @@ import sys
 import tempfile
 import time
 
-VARIANTS = {
-    "stage 2": {"stage": 2},
-    "stage 3, gathered across steps": {"stage": 3},
-    "stage 3, gathered every step": {"stage": 3, "stage3_max_live_parameters": 1000,
-                                     "stage3_max_reuse_distance": 0},
+VARIANTS = {  # name -> (zero_optimization or None for plain torch, built partitioned)
+    "plain torch": (None, False),
+    "stage 2": ({"stage": 2}, False),
+    "stage 3, built partitioned": ({"stage": 3}, True),
+    "stage 3, built whole": ({"stage": 3}, False),
+    "stage 3, over the live budget": ({"stage": 3, "stage3_max_live_parameters": 1000,
+                                       "stage3_max_reuse_distance": 0}, True),
 }
 
 
@@ -38,14 +41,22 @@ def worker(variant: str, layers: int, width: int, tokens: int, rounds: int, out:
 
     torch.set_num_threads(1)
     zeroshard.init_distributed()
-    zero = dict(VARIANTS[variant], stage3_param_persistence_threshold=0)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    zero, partitioned = VARIANTS[variant]
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": dict(zero or {}, stage3_param_persistence_threshold=0)}
     hf_config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64,
                                         vocab_size=50257, n_positions=1024)
     torch.manual_seed(0)
-    model = hf.from_config(hf_config, config=config)
-    engine, *_ = zeroshard.initialize(model=model, config=config)
-    engine.eval()
+    if partitioned:
+        model = hf.from_config(hf_config, config=config)
+    else:
+        model = transformers.GPT2LMHeadModel(hf_config)
+    if zero is None:
+        engine = model.eval()
+        engine.comm_report = lambda: {"all_gather": 0}
+    else:
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        engine.eval()
     prompt = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     engine.generate(prompt, **kwargs)  # warm-up
@@ -69,6 +80,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    plain = None
     for variant in VARIANTS:
         with tempfile.TemporaryDirectory() as out:
             done = subprocess.run(
@@ -80,7 +92,9 @@ def main() -> None:
                 rank0 = json.load(open(f"{out}/rank0.json"))
             except FileNotFoundError:
                 sys.exit(f"{variant} failed:\n{done.stderr[-3000:]}")
-        print(f"{variant:32s} {rank0['tokens_per_s']:7.2f} tokens/s; all-gather "
+        plain = plain or rank0["tokens_per_s"]
+        print(f"{variant:32s} {rank0['tokens_per_s']:7.2f} tokens/s "
+              f"({rank0['tokens_per_s'] / plain:.2f}x plain torch); all-gather "
               f"{rank0['all_gather'] / 2**20:8.1f} MiB per generate call")
     print(f"model: {rank0['psi'] / 1e6:.0f} M parameters, {args.tokens} new tokens, batch 1, "
           "2 ranks, 1 thread each")

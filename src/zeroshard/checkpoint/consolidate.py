@@ -28,7 +28,8 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .sharded import CONFIG, META, CheckpointError, SafeReader, quiet_dcp, resolve_tag
+from .names import CONFIG, META, quiet_dcp
+from .sharded import CheckpointError, SafeReader, resolve_tag
 from .verify import check_file, read_meta
 from .safetensors_file import tensor_nbytes, write_safetensors
 

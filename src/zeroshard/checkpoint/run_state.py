@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from ..core.state import jsonable
 from .verify import CheckpointError, torch_load_verified
 
 
@@ -25,19 +26,6 @@ def check_client_state(client_state) -> bytes:
             "(it is read back with torch.load(weights_only=True), so a checkpoint cannot run "
             f"code); this one cannot be stored: {str(err).splitlines()[0]}") from None
     return buffer.getvalue()
-
-
-def jsonable(value):
-    """`value` as JSON types (tensors as numbers or lists); TypeError for anything else."""
-    if torch.is_tensor(value):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    raise TypeError(type(value).__name__)
 
 
 def scheduler_state(scheduler):

@@ -21,7 +21,6 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -30,43 +29,11 @@ from ..core.layout import plain_named
 from ..dist.process_group import describe_step_counts, step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         remove_leftovers, write_file, writer_id)
-from .run_state import check_client_state, jsonable, rng_state, scheduler_state
-from .sharded import (CLIENT, CONFIG, FORMAT, LATEST, META, _rank_shard, _sampler, _sharded,
-                      quiet_dcp)
+from .names import CLIENT, CONFIG, FORMAT, LATEST, META, quiet_dcp, sampler_of
+from .run_state import check_client_state, rng_state, scheduler_state
 from .verify import CheckpointError, _ranks, agree, gather_digests, owner, seal
 
 __all__ = ["save_checkpoint"]
-
-
-def _optimizer_meta(opt) -> list[dict]:
-    """Hyper-parameters and scalar state per param group; tensor state keys."""
-    groups = []
-    for group in opt.optimizer.param_groups:
-        hyper = {}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            try:
-                hyper[key] = jsonable(value)
-            except TypeError:
-                pass  # e.g. a callable: kept from the live optimizer
-        scalars, tensor_keys, order = {}, [], []
-        for unit in opt.units:
-            if opt.param_groups[unit.group_index] is not group:
-                continue
-            master, unit_state = opt.placement.tensors(unit)
-            for key, value in unit_state.items():
-                if key not in order:
-                    order.append(key)
-                if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
-                    if key not in tensor_keys:
-                        tensor_keys.append(key)
-                else:
-                    scalars[key] = {"value": jsonable(value),
-                                    "dtype": str(value.dtype) if torch.is_tensor(value) else None}
-        groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
-                       "order": order})
-    return groups
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=None,
@@ -121,34 +88,23 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
     """Write every file into `partial`, agree, then move it into place and point `latest` at it;
     every failure is one CheckpointError on every rank (module docstring)."""
     opt, comm = engine.optimizer, engine.comm
-    state: dict[str, object] = {}
     world, rank = comm.world_size, comm.rank
-    groups = _optimizer_meta(opt)
-    params = {}
-    for unit in opt.units:
-        master, unit_state = opt.placement.tensors(unit)  # mapped onto swap files for NVMe
-        shard = _rank_shard(opt, unit, master.detach())
-        tensor_state = {k: _rank_shard(opt, unit, v) for k, v in unit_state.items()
-                        if k in groups[unit.group_index]["tensor_keys"]}
-        for slot in unit.slots:
-            state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard)
-            for key, value in tensor_state.items():
-                state[f"optim.{key}.{slot.name}"] = _sharded(unit, slot, world, rank, value)
-            params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
-    # Stage 3's frozen units: this rank's shard, in the compute dtype, under the same model.<name>
-    # keys as the trained parameters (no optimizer state); consolidate reads them alike.
-    for unit in () if exclude_frozen else opt.frozen_units:
-        shard = opt.policy.read_owned(unit).detach()
-        for slot in unit.slots:
-            state[f"model.{slot.name}"] = _sharded(unit, slot, world, rank, shard)
-            params[slot.name] = {"shape": list(slot.shape), "group": unit.group_index}
-    in_units = {id(s.param) for u in [*opt.units, *opt.frozen_units] for s in u.slots}
-    for name, param in plain_named(engine.module.named_parameters()):
-        if id(param) not in in_units and not exclude_frozen:
-            state[f"frozen.{name}"] = param.detach()
-    for name, buf in plain_named(engine.module.named_buffers()):
-        state[f"buffer.{name}"] = buf.detach()
-    needed = _bytes_to_write(state, rank)
+    # This rank's fragments of the masters and optimizer state (and of stage 3's frozen units,
+    # in the compute dtype, under model.<name> alike) come from the optimizer's ShardedState.
+    sharded = opt.sharded_state(frozen=not exclude_frozen)
+    state: dict[str, object] = dict(sharded.state_dict())
+    optimizer_meta = sharded.optimizer_meta()
+    params = sharded.param_meta()
+    whole: dict[str, object] = {}
+    if not exclude_frozen:
+        in_units = {id(p) for _, p in sharded.named_parameters()}
+        whole.update({f"frozen.{name}": param.detach()
+                      for name, param in plain_named(engine.module.named_parameters())
+                      if id(param) not in in_units})
+    whole.update({f"buffer.{name}": buf.detach()
+                  for name, buf in plain_named(engine.module.named_buffers())})
+    state.update(whole)
+    needed = sharded.nbytes(state) + (_bytes_of(whole) if rank == 0 else 0)
     try:
         with quiet_dcp():
             saved = dcp.save(state, storage_writer=FileSystemWriter(partial))
@@ -195,12 +151,12 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
             "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                          "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
                          "optimizer_steps": opt.steps},
-            "optimizer": {"type": type(opt.optimizer).__name__, "groups": groups},
+            "optimizer": optimizer_meta,
             "scaler": engine.scaler.state_dict(),
             "lr_scheduler": scheduler_state(engine.lr_scheduler),
             "params": params,
             "state_dict": _state_dict_map(engine, exclude_frozen),
-            "sampler_epoch": getattr(_sampler(engine), "epoch", None),
+            "sampler_epoch": getattr(sampler_of(engine), "epoch", None),
             "files": dict(sorted(files.items())),
         }
         error = _finish(save_dir, tag, partial, final,
@@ -255,15 +211,9 @@ def _serialized(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _bytes_to_write(state: dict, rank: int) -> int:
-    """About how many bytes this rank writes: its fragments, and (rank 0) the whole tensors."""
-    total = 0
-    for value in state.values():
-        if isinstance(value, ShardedTensor):
-            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
-        elif torch.is_tensor(value) and rank == 0:
-            total += value.numel() * value.element_size()
-    return total
+def _bytes_of(tensors: dict) -> int:
+    """Bytes of whole tensors (rank 0 writes those: about what a save needs beyond fragments)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
@@ -321,9 +271,9 @@ def _fsync_dir(path: str) -> None:
 
 def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
     """`module.state_dict()` key -> the saved entry holding it (tied weights share one)."""
-    opt = engine.optimizer
-    units = [*opt.units, *(() if exclude_frozen else opt.frozen_units)]
-    saved_name = {id(s.param): f"model.{s.name}" for u in units for s in u.slots}
+    sharded = engine.optimizer.sharded_state(frozen=not exclude_frozen)
+    saved_name = {id(p): f"model.{name}" for name, p in sharded.named_parameters()}
+    # Plain names (`_orig_mod.` dropped): a compiled model's checkpoint loads into a plain one.
     for name, param in plain_named(engine.module.named_parameters()):
         if id(param) not in saved_name and not exclude_frozen:
             saved_name[id(param)] = f"frozen.{name}"

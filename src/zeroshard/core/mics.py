@@ -71,9 +71,7 @@ def sync_replicas(units, persistent: set[int], replicas: Comm) -> None:
         replicas.broadcast(unit.flat if unit.index in persistent else unit.shard, src=0, unit=unit)
 
 
-def replica_targets(opt) -> tuple[int, int] | None:
-    """For checkpoints: (shard world, shard rank) when the optimizer shards over MiCS groups."""
-    if isinstance(getattr(getattr(opt, "policy", None), "reducer", None), ReplicaReduce):
-        return opt.comm.world_size, opt.comm.rank
-    return None
-
+def replica_position(policy) -> int:
+    """Which replica of the shard group this rank is in (0: the first, and always without MiCS)."""
+    reducer = getattr(policy, "reducer", None)
+    return reducer.replicas.rank if isinstance(reducer, ReplicaReduce) else 0

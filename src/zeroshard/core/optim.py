@@ -138,6 +138,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Refused, as state_dict() (use engine.load_checkpoint)."""
         self.state_dict()
 
+    def sharded_state(self, **options):
+        """This rank's shards as a DCP `Stateful` (`state.ShardedState`, given `options`)."""
+        from .state import ShardedState  # noqa: PLC0415 - only checkpoints need it
+
+        return ShardedState(self, **options)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (buffers are zeroed and stay attached)."""
         self.policy.zero_grad()

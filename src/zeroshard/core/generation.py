@@ -1,10 +1,12 @@
 """Generation at stage 3: `model.generate(...)` runs one forward per token, and gathering every unit
 for each of them is most of its time. While the model fits (its sharded units together are at
 most `stage3_max_live_parameters` elements), the whole call runs with every unit gathered once
-(exact weights, also under qwZ) and released when it returns; otherwise each forward gathers as
-in training. With more than one rank, a Hugging Face `generate` is run with `synced_gpus=True`
-unless the caller says otherwise, so a rank that finished its sequences keeps joining the
-gathers of the others instead of leaving them waiting (DeepSpeed's ZeRO-3 behaviour).
+(exact weights, also under qwZ) and released when it returns: its decode steps make no
+collective, so ranks may generate different lengths, and a Hugging Face `generate` runs without
+`synced_gpus` (one all-reduce per token saved) unless the caller asks for it. Otherwise each
+forward gathers as in training, and with more than one rank `synced_gpus=True` is the default, so
+a rank that finished its sequences keeps joining the gathers of the others instead of leaving
+them waiting (DeepSpeed's ZeRO-3 behaviour).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ def install(module: nn.Module, policy) -> None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if takes_synced and policy.comm.world_size > 1:
-            kwargs.setdefault("synced_gpus", True)
         indices = sorted(policy.sharded)
         numel = sum(policy.by_index[i].padded_numel for i in indices)
         if numel > policy.options.max_live_parameters:
+            if takes_synced and policy.comm.world_size > 1:
+                kwargs.setdefault("synced_gpus", True)
             return original(*args, **kwargs)
+        if takes_synced:
+            kwargs.setdefault("synced_gpus", False)  # no collective until it returns
         policy.pin(indices)
         try:
             return original(*args, **kwargs)

@@ -245,6 +245,7 @@ def _undone(module, name, replacement, run):
 def _caught(rank, world, root):
     from zeroshard import build as build_module
     from zeroshard.core import init_units, optim, stage2
+    from zeroshard.offload import nvme_optimizer as nvme_placement
     from zeroshard.offload import optimizer as placements
 
     cpu, nvme = {"device": "cpu"}, {"device": "nvme", "nvme_path": root}
@@ -258,7 +259,7 @@ def _caught(rank, world, root):
                            lambda: _one_step(2, offload_optimizer=cpu)),
         "stage1": _undone(placements, "to_host", lambda t, dtype=None: t.to(dtype or t.dtype),
                           lambda: _one_step(1, offload_optimizer=cpu)),
-        "stage1-nvme": _undone(placements, "to_host",
+        "stage1-nvme": _undone(nvme_placement, "to_host",
                                lambda t, dtype=None: t.to(dtype or t.dtype),
                                lambda: _one_step(1, offload_optimizer=nvme)),
     }
@@ -330,7 +331,7 @@ def test_gloo_with_device_tensors_runs_on_host_copies(results, what):
     ("norm", "all_reduce at optim.py"), ("init", "broadcast at init_units.py"),
     ("buffers", "broadcast at build.py"), ("landing", "aten.add_.Tensor at stage2.py"),
     ("stage1", "aten._fused_adamw_.default at optimizer.py"),
-    ("stage1-nvme", "aten._fused_adamw_.default at optimizer.py")])
+    ("stage1-nvme", "aten._fused_adamw_.default at nvme_optimizer.py")])
 def test_strict_mode_catches_each_bug_it_found(results, bug, where):
     for got in results:
         message = got["caught"][bug]

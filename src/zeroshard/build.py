@@ -39,7 +39,7 @@ from .core.stages import lay_out, make_policy, owned_slices
 from .core.streams import Streams
 from .dist.process_group import mark_engaged
 from .engine import Engine, _compute_dtype
-from .offload.optimizer import make_placement
+from .offload.placements import make_placement
 from .offload.param import make_store
 
 

@@ -157,6 +157,7 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     meta = read_meta(meta_path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT}")
+    _check_params(engine.optimizer.sharded_state(), meta, meta_path)
     files = meta.get("files")
     reader = SafeReader(path, files)
     metadata = reader.read_metadata()  # .metadata's digest, allow-list, every file's size
@@ -164,7 +165,6 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     sharded = engine.optimizer.sharded_state(saved_keys=saved_keys,
                                              optimizer_meta=meta["optimizer"],
                                              optimizer_state=with_optim)
-    _check_params(sharded, meta, meta_path)
     if strict:
         _check_strict(engine, meta, saved_keys, path)
     state = sharded.state_dict()

@@ -48,7 +48,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self.training_dataloader = None
-        #: DeepSpeed's throughput timer (DeepSpeed-Chat reads it): core/deepspeed_views.py.
+        #: DeepSpeed's throughput timer (DeepSpeed-Chat reads it): monitor/timers.py.
         self.tput_timer = ThroughputTimer(self)
         self.compute_dtype = _compute_dtype(config)
         autocast = config.torch_autocast

@@ -4,7 +4,7 @@
 parser (`torch.distributed.run.get_args_parser`) and hands the result to `torch.distributed.run.run`
 in this process, so every torchrun option, elastic restarts and c10d rendezvous behave exactly as
 under `torchrun`. What it adds is defaults, DeepSpeed's launcher flags and Accelerate's config
-file, each mapped onto torchrun options (deepspeed_flags.py), and nothing else:
+file, each mapped onto torchrun options (compat/deepspeed/launcher_flags.py), and nothing else:
 
 * `--nproc-per-node` defaults to the number of CUDA devices, or 2 on a machine without CUDA;
 * with no rendezvous / master options on a single node, `--standalone` is implied (a c10d store on a
@@ -15,8 +15,8 @@ file, each mapped onto torchrun options (deepspeed_flags.py), and nothing else:
 * `--local_rank=<n>` is appended to each worker's arguments when the script's source declares such
   an option or imports deepspeed (DeepSpeed's launcher always passes it; torchrun never does);
 * `import deepspeed` in the workers loads zeroshard when DeepSpeed is not installed
-  (integrations/deepspeed_alias.py; `--alias-deepspeed` when it is), deepspeed's package metadata
-  answers there, and accelerate gets gloo on a host without GPUs (integrations/worker_hooks.py);
+  (compat/deepspeed/alias.py; `--alias-deepspeed` when it is), deepspeed's package metadata
+  answers there, and accelerate gets gloo on a host without GPUs (compat/accelerate/worker_hooks.py);
 * a launch handed a DeepSpeed config in which no worker built an engine fails (`--no-zero-check`);
 * on Linux the workers die with the launcher, even when it is SIGKILLed (a parent-death signal:
   `workers_die_with_launcher`), so no orphan goes on training and saving;
@@ -37,9 +37,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import deepspeed_flags
+from ..compat.deepspeed import launcher_flags as deepspeed_flags
 from ..dist.process_group import ENGAGED_DIR
-from ..integrations.deepspeed_alias import real_deepspeed_installed
+from ..compat.deepspeed.alias import real_deepspeed_installed
 from .nodes import announce, apply_node_defaults
 
 #: The directory whose deepspeed.py makes `import deepspeed` load zeroshard in the workers.
@@ -353,8 +353,8 @@ def _bind_cores(args: argparse.Namespace) -> None:
 def _apply_accelerate_config(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
     """Ranks, nodes and rendezvous from an `accelerate config` file (command-line options win);
     the workers' Accelerator reads the file through ZEROSHARD_ACCELERATE_CONFIG."""
-    from ..integrations.accelerate_config import ENV, launch_env, read_accelerate_config
-    from ..integrations.worker_hooks import ACCELERATE_DEEPSPEED
+    from ..compat.accelerate.config import ENV, launch_env, read_accelerate_config
+    from ..compat.accelerate.worker_hooks import ACCELERATE_DEEPSPEED
 
     cfg = read_accelerate_config(args.config_file)
     for notice in cfg.notices:

@@ -122,7 +122,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def parameter_offload(self):
-        """DeepSpeed's stage-3 hook owner, as TRL reads it (core/deepspeed_views.py)."""
+        """DeepSpeed's stage-3 hook owner, as TRL reads it (core/stage3_views.py)."""
         if self._parameter_offload is None:
             self._parameter_offload = ParameterOffloadView(self.model)
         return self._parameter_offload

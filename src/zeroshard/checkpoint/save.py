@@ -28,7 +28,7 @@ from ..core.hostmem import host_region
 from ..core.layout import plain_named
 from ..dist.process_group import describe_step_counts, step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
-                        remove_leftovers, write_file, writer_id)
+                        release_directory, remove_leftovers, write_file, writer_id)
 from .names import CLIENT, CONFIG, FORMAT, LATEST, META, quiet_dcp, sampler_of
 from .run_state import check_client_state, rng_state, scheduler_state
 from .verify import CheckpointError, _ranks, agree, gather_digests, owner, seal
@@ -57,6 +57,7 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
     # Rank 0 owns the directory for this job, clears what dead saves left there, and makes this
     # save's own partial directory, all before the ranks first compare notes.
     writer, setup_error = writer_id(), None
+    made_dir = comm.rank == 0 and not os.path.isdir(save_dir)
     if comm.rank == 0 and client_error is None and tag_error is None:
         setup_error = own_directory(save_dir)
         if setup_error is None:
@@ -69,9 +70,16 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
     try:
         views = _agree_on_target(comm, save_dir, tag, client_error, tag_error, setup_error,
                                  writer)
-    except BaseException:
+    except BaseException as err:
         if comm.rank == 0 and client_error is None and tag_error is None and setup_error is None:
             shutil.rmtree(os.path.join(save_dir, partial_name(tag, writer)), ignore_errors=True)
+            if made_dir:  # a refused save leaves no directory behind either
+                release_directory(save_dir)
+                with contextlib.suppress(OSError):
+                    os.rmdir(save_dir)
+        if isinstance(err, (CheckpointError, ValueError)):
+            # Refused on every rank alike: no rank returns before rank 0 has cleaned up.
+            comm.barrier()
         raise
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, partial_name(tag, views[0][5]))  # rank 0's name

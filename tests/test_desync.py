@@ -273,7 +273,9 @@ def test_emergency_save_names_both_ranks_operations(results, stage):
 def test_true_waiting_time_is_reported(results):
     message = results[0][0]["save2"]["error"]
     waited = float(message.split("rank 0: waiting ", 1)[1].split("s for", 1)[0])
-    assert TIMEOUT <= waited < TIMEOUT + 5
+    # About the timeout: the peer's own timeout (started a moment earlier) can end this rank's
+    # wait with a connection error a fraction of a second before its own deadline.
+    assert TIMEOUT - 0.5 <= waited < TIMEOUT + 5
 
 
 @pytest.mark.parametrize("kind", ["skip_block", "step_only"])

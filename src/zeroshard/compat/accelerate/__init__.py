@@ -5,16 +5,11 @@ and `worker_hooks.py`, what `zeroshard run` changes in accelerate inside its wor
 `config.py` and `worker_hooks.py` are read by the launcher without the Accelerator: the names
 below are imported on first use."""
 
+from ..lazy import lazy_names
+
 _LAZY = {"Accelerator": ".accelerator", "DeepSpeedPlugin": ".config"}
 
 __all__ = ["Accelerator", "DeepSpeedPlugin"]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY, globals())

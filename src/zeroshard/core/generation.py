@@ -43,14 +43,21 @@ def install(module: nn.Module, policy) -> None:
         finally:
             policy.unpin(indices)
 
-    module.__dict__[_ORIGINAL] = original
+    # What to give back: an instance attribute of its own (a wrapper someone else installed), or
+    # nothing (the class's method).
+    module.__dict__[_ORIGINAL] = module.__dict__.get("generate")
     module.generate = generate
 
 
 def uninstall(module: nn.Module) -> None:
     """Give `module` its own `generate` back."""
-    if module.__dict__.pop(_ORIGINAL, None) is not None:
+    if _ORIGINAL not in module.__dict__:
+        return
+    own = module.__dict__.pop(_ORIGINAL)
+    if own is None:
         module.__dict__.pop("generate", None)
+    else:
+        module.__dict__["generate"] = own
 
 
 def _parameters(fn) -> set[str]:

@@ -1,6 +1,6 @@
 """Fine-tuning at stage 3 the way people do it (issue 28, items 1, 3, 4), at 2 ranks against plain
 torch: a frozen base is sharded like the trained parameters (1/N per rank, never whole, also when
-built under zeroshard.Init), training equals plain torch, evaluation and `generate()` leave
+built under zeroshard.Init, also under LoRA adapters added to a partitioned base), training equals plain torch, evaluation and `generate()` leave
 nothing gathered when they return, and `generate()` gathers the model once per call (not once
 per token) while it fits, with the same tokens as plain torch."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import zeroshard
 from tests.harness import run_world
@@ -19,7 +20,21 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 
-def _gpt2(init: bool = False):
+class _LoRA(nn.Module):
+    """A low-rank adapter around a frozen GPT-2 Conv1D (weight [in, out]), as peft's LoRA."""
+
+    def __init__(self, base: nn.Module, rank: int = 4):
+        super().__init__()
+        self.base = base
+        n_in, n_out = getattr(base.weight, "ds_shape", base.weight.shape)
+        self.a = nn.Parameter(torch.randn(n_in, rank) * 0.1)
+        self.b = nn.Parameter(torch.randn(rank, n_out) * 0.01)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a @ self.b
+
+
+def _gpt2(init: bool = False, lora: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -31,7 +46,10 @@ def _gpt2(init: bool = False):
     else:
         model = GPT2LMHeadModel(config)
     for name, param in model.named_parameters():
-        param.requires_grad = not name.startswith(FROZEN)
+        param.requires_grad = not name.startswith(FROZEN) and not lora
+    if lora:  # the whole base frozen, adapters (built whole, outside Init) trained
+        for block in model.transformer.h:
+            block.attn.c_attn = _LoRA(block.attn.c_attn)
     return model.eval()
 
 
@@ -40,9 +58,9 @@ def _batches():
     return [torch.randint(0, 50, (2 * WORLD, 9), generator=gen) for _ in range(STEPS)]
 
 
-def _reference():
+def _reference(lora: bool = False):
     """Plain torch: AdamW over the trainable parameters, the whole batch, one process."""
-    model = _gpt2()
+    model = _gpt2(lora=lora)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for batch in _batches():
@@ -69,8 +87,8 @@ def _gathered(engine) -> int:
     return sum(1 for i in policy.sharded for s in policy.by_index[i].slots if s.param.numel())
 
 
-def _train(rank, init: bool):
-    model = _gpt2(init)
+def _train(rank, init: bool, lora: bool = False):
+    model = _gpt2(init, lora)
     made_whole = []
     from zeroshard.core import stages
 
@@ -105,6 +123,16 @@ def _train(rank, init: bool):
 
 def _case(rank, world):
     results = {}
+    # LoRA on a base built partitioned: the base never whole, 1/N per rank, equal to plain torch.
+    reference, ref_losses = _reference(lora=True)
+    engine, model, out = _train(rank, True, lora=True)
+    want = {n: p.detach() for n, p in reference.named_parameters()}
+    got = _values(model)
+    out["max_diff"] = max((got[n] - want[n]).abs().max().item() for n in want)
+    out["ref_losses"] = ref_losses
+    out["adapters"] = sum(1 for n, p in model.named_parameters() if p.requires_grad)
+    engine.destroy()
+    results["lora"] = out
     # 1. a frozen base, built normally and under Init: sharded, trained equal to plain torch.
     reference, ref_losses = _reference()
     want = {n: p.detach() for n, p in reference.named_parameters()}
@@ -209,7 +237,7 @@ def results():
     return run_world(WORLD, _case)
 
 
-@pytest.mark.parametrize("built", ["built", "init"])
+@pytest.mark.parametrize("built", ["built", "init", "lora"])
 def test_the_frozen_base_is_sharded_one_nth_per_rank(results, built):
     for rank, got in enumerate(results):
         held, total = got[built]["frozen"]
@@ -218,13 +246,15 @@ def test_the_frozen_base_is_sharded_one_nth_per_rank(results, built):
         assert got[built]["frozen_made_whole"] == 0, (rank, got[built]["frozen_made_whole"])
 
 
-@pytest.mark.parametrize("built", ["built", "init"])
+@pytest.mark.parametrize("built", ["built", "init", "lora"])
 def test_training_with_a_frozen_base_equals_plain_torch(results, built):
     for rank, got in enumerate(results):
         out = got[built]
         assert out["losses"] == pytest.approx(out["ref_losses"], rel=1e-5, abs=1e-6), rank
         # Three AdamW steps: float sums in another order (two half batches vs one) differ ~1e-5.
         assert out["max_diff"] < 1e-4, (rank, out["max_diff"])
+        if built == "lora":
+            assert out["adapters"] == 8, out["adapters"]  # a and b in each of the 4 blocks
 
 
 @pytest.mark.parametrize("built", ["built", "init"])

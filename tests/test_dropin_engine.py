@@ -47,12 +47,18 @@ def _checks(rank, world, root):
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(root)  # a good one: global_step1, named by 'latest'
+    # Every rank lists the directory before any rank starts the next save (whose partial
+    # directory rank 0 makes before the ranks compare notes).
+    engine.comm.barrier()
     before = _listing(root)
+    engine.comm.barrier()
     out["loss_tag"] = _error(lambda: engine.save_checkpoint(root, tag=f"{loss.item() + rank:.4f}"))
     out["dir"] = _error(lambda: engine.save_checkpoint(os.path.join(root, f"run-{rank}"), tag="a"))
     out["client"] = _error(lambda: engine.save_checkpoint(
         root, tag="b", client_state={"bad": object()} if rank == 1 else {}))
-    out["unchanged"] = _listing(root) == before
+    after = _listing(root)
+    out["unchanged"] = after == before
+    out["changed"] = sorted(set(after) ^ set(before))
     with open(os.path.join(root, "latest")) as fh:
         out["latest"] = fh.read()
     engine.destroy()
@@ -100,7 +106,7 @@ def test_one_rank_bad_client_state_fails_every_rank(results):
 
 def test_nothing_written_and_latest_untouched(results):
     for got in results:
-        assert got["unchanged"] and got["latest"] == "global_step1"
+        assert got["unchanged"] and got["latest"] == "global_step1", got["changed"]
 
 
 def test_zero_optimization_true_is_stage_1(results):

@@ -135,8 +135,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
     units, layout = lay_out(model, group_of, opt_comm, zero.stage, zero.reduce_bucket_size,
                             zero.stage3_param_persistence_threshold, zero.zeroshard_unit_classes,
                             device)
-    if replicas is not None:
-        sync_replicas(units, layout.persistent, replicas)
+    if replicas is not None:  # frozen units too: every replica starts from rank 0's weights
+        sync_replicas([*units, *layout.frozen], layout.persistent, replicas)
     owned = owned_slices(units, zero.stage, opt_comm.rank, layout)
     if is_placeholder(torch_opt):
         placement = make_no_placement(torch_opt, units)

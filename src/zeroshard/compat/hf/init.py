@@ -34,7 +34,7 @@ from torch import nn
 from ...core.gathered import GatheredParameters
 from ...core.init_units import partition_new_parameters
 from ...core.layout import INIT_ATTR, ZeroParamStatus, set_status
-from ...core.owners import is_managed, owner_of
+from ...core.owners import is_managed
 
 HF_FLAG = "_is_hf_initialized"
 
@@ -174,25 +174,12 @@ def attach_stage3_methods(model: nn.Module) -> None:
             lambda *args, **kwargs: resize_partitioned(model, resize, *args, **kwargs))
 
 
-def _live_budget(params) -> int | None:
-    """The engine's stage3_max_live_parameters, or None before initialize()."""
-    for param in params:
-        owner = owner_of(param)
-        options = getattr(owner.optimizer.policy, "options", None) if owner else None
-        if options is not None:
-            return options.max_live_parameters
-    return None
-
-
 def generate_gathered(model: nn.Module, generate, *args, **kwargs):
-    """`generate` with every unit gathered once for all decode steps when the whole model fits
-    in stage3_max_live_parameters (otherwise each step gathers unit by unit, as a forward does).
-    Before initialize() there are no per-unit gathers, so the model is gathered whole."""
+    """`generate` on a model built partitioned and not yet wrapped: there are no per-unit gathers
+    before initialize(), so the model is gathered whole for the call. Once an engine manages it,
+    the engine's own stage-3 `generate` (core/generation.py, installed over this one) decides."""
     params = list(model.parameters())
-    partitioned = any(is_managed(p) or hasattr(p, INIT_ATTR) for p in params)
-    budget = _live_budget(params)
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # whole sizes, also released
-    if not partitioned or (budget is not None and total > budget):
+    if any(is_managed(p) for p in params) or not any(hasattr(p, INIT_ATTR) for p in params):
         return generate(*args, **kwargs)
     with GatheredParameters(params):
         return generate(*args, **kwargs)

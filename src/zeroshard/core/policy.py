@@ -55,7 +55,6 @@ class StagePolicy:
         self.units = units
         self.module = module
         self.comm = comm
-        self.spec = spec
         self.overlap = spec.overlap_comm
         self.grad_place = spec.grad_place
         self.reduction = spec.reduction

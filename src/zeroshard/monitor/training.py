@@ -109,8 +109,10 @@ class TrainingWatch:
         times = self.clock.take()
         printing = bool(self.period) and engine.global_steps % self.period == 0 and self.rank0 \
             and _verbose()
-        loss = torch.stack(losses).float().mean() if losses else None
-        if self.monitor.enabled and self.rank0:
+        writing = self.monitor.enabled and self.rank0
+        # The window's mean loss, formed on the device only when something reports it.
+        loss = torch.stack(losses).float().mean() if losses and (writing or printing) else None
+        if writing:
             self.monitor.write_events(self._events(loss, tokens, times))
         if printing:
             self._print(loss, times, now)

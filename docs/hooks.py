@@ -73,18 +73,22 @@ def _bars(column: str, xlabel: str, path) -> None:
     for ax, (size, rows) in zip(axes, sizes.items()):
         rows = [r for r in rows if r.get(column, "").strip() not in ("", "—", "FAILED")]
         names = [r["impl"] for r in rows]
-        values = [_num(r[column]) for r in rows]
-        ax.barh(names, values, color=[_color(n) for n in names])
-        ax.invert_yaxis()
+        _barh(ax, names, [_num(r[column]) for r in rows], [_color(n) for n in names], xlabel)
         ax.set_title(size)
-        ax.set_xlabel(xlabel)
-        for y, v in enumerate(values):
-            ax.text(v, y, f" {v:g}", va="center", fontsize=8)
-        ax.margins(x=0.15)
     fig.suptitle("bench/bench_zero.py, 2 CPU ranks, fp32 AdamW (zeroshard blue, DeepSpeed "
                  "orange, FSDP2 green, torch DDP / ZeRO optimizer grey)", fontsize=9)
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
+
+
+def _barh(ax, names: list[str], values: list[float], colors: list[str], xlabel: str) -> None:
+    """Horizontal bars, first row on top, each labelled with its value."""
+    ax.barh(names, values, color=colors)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:g}", va="center", fontsize=8)
+    ax.margins(x=0.15)
 
 
 def step_time(path) -> None:
@@ -111,14 +115,9 @@ def zeropp(path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for ax, column, label in ((axes[0], "step ms", "step time, ms"),
                               (axes[1], "inter-host MB/step (wire)", "inter-host MB per step")):
-        values = [_num(r[column]) for r in rows]
-        ax.barh(names, values, color=["#d9822b" if "deepspeed" in n else "#2b7bba"
-                                      for n in names])
-        ax.invert_yaxis()
-        ax.set_xlabel(label + " (lower is better)")
-        for y, v in enumerate(values):
-            ax.text(v, y, f" {v:g}", va="center", fontsize=8)
-        ax.margins(x=0.15)
+        _barh(ax, names, [_num(r[column]) for r in rows],
+              ["#d9822b" if "deepspeed" in n else "#2b7bba" for n in names],
+              label + " (lower is better)")
     fig.suptitle("bench/bench_zeropp.py: stage 3 and ZeRO++ on 2 simulated hosts x 2 ranks, "
                  "1 Gbit/s link", fontsize=9)
     fig.savefig(path, dpi=110, format="png")

@@ -5,6 +5,8 @@ a class method or another wrapper installed on the instance."""
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from zeroshard.core import generation
@@ -27,11 +29,13 @@ class _Policy:
         self.options = type("Options", (), {"max_live_parameters": budget})()
         self.calls = []
 
-    def pin(self, indices):
-        self.calls.append(("pin", list(indices)))
-
-    def unpin(self, indices):
-        self.calls.append(("unpin", list(indices)))
+    @contextlib.contextmanager
+    def hold_all(self):
+        self.calls.append(("pin", sorted(self.sharded)))
+        try:
+            yield
+        finally:
+            self.calls.append(("unpin", sorted(self.sharded)))
 
 
 def test_pinned_for_the_call_while_it_fits():

@@ -226,9 +226,16 @@ def _generate(rank, engine, model):
     model_bytes = sum(policy.by_index[i].padded_numel * policy.by_index[i].dtype.itemsize
                       for i in policy.sharded)
     engine.comm.reset()
-    got = model.generate(prompt, **kwargs)
+    demands = []  # the forward hooks' bookkeeping: none while the model is held for the call
+    policy.schedule.demand = lambda needs, own=policy.schedule.demand: (demands.append(needs),
+                                                                       own(needs))
+    try:
+        got = model.generate(prompt, **kwargs)
+    finally:
+        del policy.schedule.demand
     return {"equal": torch.equal(want, got), "gathered_after": _gathered(engine),
-            "gather_bytes": engine.comm_report().get("all_gather", 0), "model_bytes": model_bytes}
+            "gather_bytes": engine.comm_report().get("all_gather", 0), "model_bytes": model_bytes,
+            "hook_demands": len(demands)}
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +284,5 @@ def test_generate_gathers_once_per_call_and_equals_plain_torch(results):
         assert gen["gathered_after"] == 0, (rank, gen["gathered_after"])
         # Once per call: the ring moves (N-1)/N of the model per gather; per token would be 3-7x.
         assert 0 < gen["gather_bytes"] <= gen["model_bytes"], gen
+        # Held whole for the call, the per-module hooks step aside (no bookkeeping per token).
+        assert gen["hook_demands"] == 0, gen

@@ -37,11 +37,8 @@ def install(module: nn.Module, policy) -> None:
             return original(*args, **kwargs)
         if takes_synced:
             kwargs.setdefault("synced_gpus", False)  # no collective until it returns
-        policy.pin(indices)
-        try:
+        with policy.hold_all():
             return original(*args, **kwargs)
-        finally:
-            policy.unpin(indices)
 
     # What to give back: an instance attribute of its own (a wrapper someone else installed), or
     # nothing (the class's method).

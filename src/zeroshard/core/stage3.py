@@ -25,6 +25,10 @@ Communication plan, per micro-step (each collective names its unit to the desync
   4. step (accumulation boundary): rank r steps only its shards. Persistent parameters are then
      all-gathered as at stage 2; sharded units need nothing (their next use gathers them).
 Total per micro-step: 3 x Psi x (N-1)/N, as in the ZeRO paper.
+Evaluation (a forward no backward follows) frees what it gathered when the root's forward returns.
+`generate()` (`generation.py`), while the model fits in stage3_max_live_parameters, gathers every
+unit once (`hold_all`: Psi x (N-1)/N per call, exact) and frees them on return; meanwhile the
+forward hooks do nothing, so decode steps make no collective and no bookkeeping.
 
 How a unit is gathered and how its gradient is reduced are strategies the policy is built with
 (`strategies.py`; composed in `stages.py`): plain, or ZeRO++'s (`zeropp/`), or MiCS's (`mics.py`).
@@ -39,6 +43,8 @@ between a unit's forward and the step stay inside its host (`zeropp/hpz.py`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -89,6 +95,7 @@ class Stage3(Stage2):
         self.pending: dict[int, object] = {}  # unit index -> in-flight gather handle
         self.active: dict[int, int] = {}  # unit index -> modules running forward that need it
         self.pinned: dict[int, int] = {}  # unit index -> GatheredParameters contexts holding it
+        self.holding_all = 0  # `hold_all` blocks running (generate): the forward hooks step aside
         self.live_numel = 0
         self.peak_live_numel = 0
         self.store = store if store is not None else \
@@ -259,6 +266,8 @@ class Stage3(Stage2):
 
     @_eager_hook
     def _pre_forward(self, needs: list[int], is_root: bool) -> None:
+        if self.holding_all:
+            return  # every unit is gathered and stays so until hold_all ends
         in_backward = _in_backward()
         if is_root and not in_backward:
             self.schedule.start_step()
@@ -274,6 +283,8 @@ class Stage3(Stage2):
     @_eager_hook
     def _post_forward(self, needs: list[int], output, borrowed: list[int], inputs,
                       is_root: bool = False) -> None:
+        if self.holding_all:
+            return
         for index in needs:
             self.active[index] = max(0, self.active.get(index, 0) - 1)
         if _in_backward():
@@ -398,6 +409,24 @@ class Stage3(Stage2):
         for index in indices:
             self.pinned[index] = self.pinned.get(index, 0) + 1
         self.unshard(indices, exact=True)
+
+    @contextlib.contextmanager
+    def hold_all(self):
+        """Every sharded unit gathered (exact) for the block and released after it; meanwhile the
+        forward hooks do nothing (generate: one gather per call, no bookkeeping per token)."""
+        indices = sorted(self.sharded)
+        try:
+            self.pin(indices)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.unpin(indices)  # a gather that failed part-way leaves nothing pinned
+            raise
+        self.holding_all += 1
+        try:
+            yield
+        finally:
+            self.holding_all -= 1
+            self.unpin(indices)
 
     def unpin(self, indices) -> None:
         """Undo one `pin`; units no module is running are freed."""

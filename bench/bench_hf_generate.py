@@ -1,11 +1,12 @@
-"""Greedy `generate()` speed of a Hugging Face GPT-2 wrapped by an engine without an optimizer, 2 CPU
-ranks, paired with plain torch: in each variant's processes the same model without an engine and
-the engine's model generate in turn (a barrier before each), and the figure is the median over the
-rounds of plain time / engine time, so both sides see the same machine load. Variants: stage 2
-(parameters whole), stage 3 built whole and built partitioned (the model gathered once per
-`generate` call while it fits in stage3_max_live_parameters, core/generation.py), stage 3 over
-that budget (every decode step gathers unit by unit), and stage 3 with the calls inside
-`engine.gathered_model()` (one gather for all of them, held by the caller).
+"""Greedy `generate()` speed of a Hugging Face GPT-2 wrapped by an engine (no optimizer unless said),
+2 CPU ranks, paired with plain torch: in each variant's processes the same model without an engine
+and the engine's model generate in turn (a barrier before each), and the figure is the median over
+the rounds of plain time / engine time, so both sides see the same machine load. Variants: stage 2
+(parameters whole); stage 3 built whole and built partitioned (the model gathered once per
+`generate` call while it fits in stage3_max_live_parameters, core/generation.py); stage 3 between
+training steps (an AdamW engine taking one untimed step before each round, as a fine-tuning loop
+that generates between steps); stage 3 with the calls inside `engine.gathered_model()` (one gather
+for all, held by the caller); stage 3 over the budget (each decode step gathers).
 
     python bench/bench_hf_generate.py [--layers 12] [--width 768] [--tokens 32 128] [--rounds 8]
 """
@@ -27,6 +28,8 @@ VARIANTS = {  # name -> (zero_optimization, built partitioned, most rounds)
     "stage 2": ({"stage": 2}, False, None),
     "stage 3, built whole": ({"stage": 3}, False, None),
     "stage 3, built partitioned": ({"stage": 3}, True, None),
+    # Fine-tuning with generation between steps: an AdamW engine, one training step per round.
+    "stage 3, between training steps": ({"stage": 3}, False, None),
     # Many short generations: one gather for all of them, held by the caller.
     "stage 3, inside gathered_model()": ({"stage": 3}, False, None),
     # About 6x slower than the others: two rounds tell its ratio.
@@ -57,8 +60,11 @@ def worker(variant: str, layers: int, width: int, lengths: list[int], rounds: in
     zeroshard.init_distributed()
     zero, partitioned, most = VARIANTS[variant]
     rounds = min(rounds, most or rounds)
-    config = {"train_micro_batch_size_per_gpu": 1,
+    training = variant.endswith("training steps")
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
               "zero_optimization": dict(zero, stage3_param_persistence_threshold=0)}
+    if training:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5}}
     hf_config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64,
                                         vocab_size=50257, n_positions=1024)
     torch.manual_seed(0)
@@ -67,24 +73,36 @@ def worker(variant: str, layers: int, width: int, lengths: list[int], rounds: in
     engine, *_ = zeroshard.initialize(model=model, config=config)
     engine.eval()
     prompt = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(2))
+
+    def train_step():  # not timed: what a fine-tuning loop does between generations
+        engine.train()
+        engine.backward(engine(batch, labels=batch).loss)
+        engine.step()
+        engine.eval()
+
     results = {}
     inside = variant.endswith("gathered_model()")
     with engine.gathered_model() if inside else contextlib.nullcontext():
         for tokens in lengths:
-            results[tokens] = _pair(plain, engine, prompt, tokens, rounds)
+            results[tokens] = _pair(plain, engine, prompt, tokens, rounds,
+                                    train_step if training else None)
     if os.environ["RANK"] == "0":
         with open(f"{out}/rank0.json", "w") as fh:
             json.dump({"results": results, "psi": sum(p.numel() for p in plain.parameters())}, fh)
     torch.distributed.destroy_process_group()
 
 
-def _pair(plain, engine, prompt, tokens: int, rounds: int) -> dict:
-    """Plain torch and the engine generating `tokens` new tokens in turn, `rounds` times."""
+def _pair(plain, engine, prompt, tokens: int, rounds: int, between=None) -> dict:
+    """Plain torch and the engine generating `tokens` new tokens in turn, `rounds` times
+    (`between`, if given, runs untimed before each round)."""
     kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     plain.generate(prompt, **kwargs)  # warm-up
     engine.generate(prompt, **kwargs)
     plain_s, engine_s, ratios = [], [], []
     for _ in range(rounds):
+        if between is not None:
+            between()
         plain_s.append(_timed(lambda: plain.generate(prompt, **kwargs)))
         before = engine.comm_report()["all_gather"]
         engine_s.append(_timed(lambda: engine.generate(prompt, **kwargs)))

@@ -1,4 +1,4 @@
-"""The side-by-side sections of bench/gpu_check.py (run through it: `--sections throughput,generate`).
+"""The side-by-side sections of bench/gpu_check.py (run them through it: `--sections generate`).
 
   throughput  training on one Llama-style model: plain torch vs FSDP2 vs zeroshard stage 3, with
               and without CPU offload (tokens/s, MFU, peak memory, last loss).
@@ -94,6 +94,23 @@ TPUT_SHAPE_CPU = {"vocab": 256, "dim": 64, "layers": 2, "heads": 4, "ffn": 172, 
 TPUT_VARIANTS = ("torch", "fsdp2", "fsdp2+cpu", "zeroshard3", "zeroshard3+cpu")
 
 
+def _optimizer_step(model, opt, autocast: str | None = None):
+    """`step(x, y) -> loss` with a torch optimizer (under bf16 autocast on device `autocast`)."""
+    import contextlib
+
+    import torch
+
+    def step(x, y):
+        with (torch.autocast(autocast, dtype=torch.bfloat16) if autocast
+              else contextlib.nullcontext()):
+            loss = loss_of(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def _tput_build(name: str, shape: dict, micro: int):
     """One variant: a `step(x, y) -> loss` closure and something to release afterwards."""
     import torch
@@ -105,15 +122,7 @@ def _tput_build(name: str, shape: dict, micro: int):
     if name == "torch":
         model = model.to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=cuda)
-
-        def step(x, y):
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = loss_of(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return step, (model, opt)
+        return _optimizer_step(model, opt, autocast=dev.type), (model, opt)
     if name.startswith("fsdp2"):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -127,14 +136,7 @@ def _tput_build(name: str, shape: dict, micro: int):
             fully_shard(layer, **options)
         fully_shard(model, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-
-        def step(x, y):
-            loss = loss_of(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return step, (model, opt)
+        return _optimizer_step(model, opt), (model, opt)
     import zeroshard
 
     zero: dict = {"stage": 3}
@@ -226,7 +228,7 @@ def section_throughput(quick: bool) -> dict:
             "table": "\n".join(lines)}
 
 
-# Shapes of the generate section's Llama (bf16 on the GPU, about 220 M parameters; a toy on the CPU).
+# The generate section's Llama: bf16 on the GPU, about 220 M parameters; a toy on the CPU.
 GEN_SHAPE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 12,
              "num_attention_heads": 16, "intermediate_size": 2816}
 GEN_SHAPE_CPU = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
@@ -260,8 +262,8 @@ def section_generate(quick: bool) -> dict:
         "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": cuda},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     engine.eval()
-    prompt = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-    prompt = prompt.to(dev)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (1, 16), generator=gen).to(dev)
     rounds = 3 if quick or not cuda else 8
 
     def timed(fn) -> float:
@@ -283,8 +285,9 @@ def section_generate(quick: bool) -> dict:
                 plain_s.append(timed(lambda: plain.generate(prompt, **kwargs)))
                 engine_s.append(timed(lambda: engine.generate(prompt, **kwargs)))
             gathered = sum(p.numel() for p in engine.module.parameters())
-            rows[tokens] = {"plain_tokens_per_s": round(tokens / statistics.median(plain_s), 1),
-                            "zeroshard_tokens_per_s": round(tokens / statistics.median(engine_s), 1),
+            plain_rate, rate = (tokens / statistics.median(s) for s in (plain_s, engine_s))
+            rows[tokens] = {"plain_tokens_per_s": round(plain_rate, 1),
+                            "zeroshard_tokens_per_s": round(rate, 1),
                             "paired_ratio": round(statistics.median(
                                 p / z for p, z in zip(plain_s, engine_s)), 3),
                             "same_tokens": same, "gathered_after": gathered}

@@ -2,7 +2,7 @@
 models, no hub): the real `accelerate.Accelerator` in the seed's loop from an `accelerate config`
 YAML at stages 2 and 3, transformers' Trainer with `--deepspeed` (the docs' "auto" ZeRO-3 config
 with CPU offload) training, saving, reloading with from_pretrained and resuming bitwise, TRL's
-own `sft.py` at stage 3, accelerate's DeepSpeed environment from the launcher, and the launcher's
+own `sft.py` and `grpo.py` (generation between steps) at stage 3, accelerate's DeepSpeed environment from the launcher, and the launcher's
 refusal of a job given a DeepSpeed config that builds no engine (the package metadata the workers
 see is checked in test_launcher_flags.py). Each launch is one real job; they are few and small."""
 
@@ -191,6 +191,40 @@ def test_trl_sft_script_at_zero3(assets, tmp_path):
     assert state["global_step"] == 3 and all("loss" in h for h in state["log_history"][:3])
     model = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_trl_grpo_script_generates_between_steps_at_zero3(assets, tmp_path):
+    """TRL's own scripts/grpo.py with --deepspeed (ZeRO-3, CPU offload): each step generates
+    completions with the partitioned policy (TRL gathers it, removes and re-adds the engine's
+    hooks around generate), scores them, trains; the saved model loads and has moved."""
+    trl = pytest.importorskip("trl")
+    from safetensors.torch import load_file
+
+    from tests.hf_assets import sentences
+
+    data = tmp_path / "prompts"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": " ".join(line.split()[:5])})
+                                              + "\n" for line in sentences(32, seed=3)))
+    (tmp_path / "rewards.py").write_text(  # grpo.py imports a dotted reward from the cwd
+        "def words(completions, **kwargs):\n    return [float(len(c.split())) for c in completions]\n")
+    script = os.path.join(os.path.dirname(trl.__file__), "scripts", "grpo.py")
+    out = str(tmp_path / "grpo")
+    # WarmupLR with HF's warmup of 0 holds the first two steps at lr 0 (as DeepSpeed): 3 steps.
+    _ok(launch([script, "--model_name_or_path", assets["model"], "--dataset_name", str(data),
+                "--reward_funcs", "rewards.words", "--num_generations", "2",
+                "--per_device_train_batch_size", "2", "--max_completion_length", "6",
+                "--max_steps", "3", "--learning_rate", "1e-3", "--bf16", "False",
+                "--logging_steps", "1", "--output_dir", out, "--deepspeed", assets["ds_zero3"],
+                "--report_to", "none"], tmp_path))
+    state = json.loads(Path(out, "checkpoint-3", "trainer_state.json").read_text())
+    steps = [h for h in state["log_history"] if "completions/mean_length" in h]
+    assert state["global_step"] == 3 and len(steps) == 3, state["log_history"]
+    assert all(h["completions/mean_length"] > 0 and "reward" in h for h in steps), steps
+    before = load_file(os.path.join(assets["model"], "model.safetensors"))
+    after = load_file(os.path.join(out, "model.safetensors"))
+    assert before.keys() <= after.keys() and after["transformer.h.0.mlp.c_fc.weight"].numel() > 0
+    assert any(not torch.equal(before[k], after[k]) for k in before), "GRPO did not train"
 
 
 def test_init_with_transformers_first_imported_inside_it(tmp_path):

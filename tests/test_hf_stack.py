@@ -1,10 +1,11 @@
 """The Hugging Face stack, unchanged, on zeroshard under `zeroshard run` (2 CPU ranks, tiny local
 models, no hub): the real `accelerate.Accelerator` in the seed's loop from an `accelerate config`
 YAML at stages 2 and 3, transformers' Trainer with `--deepspeed` (the docs' "auto" ZeRO-3 config
-with CPU offload) training, saving, reloading with from_pretrained and resuming bitwise, TRL's
-own `sft.py` and `grpo.py` (generation between steps) at stage 3, accelerate's DeepSpeed environment from the launcher, and the launcher's
-refusal of a job given a DeepSpeed config that builds no engine (the package metadata the workers
-see is checked in test_launcher_flags.py). Each launch is one real job; they are few and small."""
+with CPU offload) training, saving, reloading with from_pretrained and resuming bitwise, TRL's own
+`sft.py` and `grpo.py` (generation between steps) at stage 3, accelerate's DeepSpeed environment
+from the launcher, and the launcher's refusal of a job given a DeepSpeed config that builds no
+engine (the package metadata the workers see is checked in test_launcher_flags.py). Each launch is
+one real job; they are few and small."""
 
 from __future__ import annotations
 

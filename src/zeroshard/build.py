@@ -135,8 +135,10 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
     units, layout = lay_out(model, group_of, opt_comm, zero.stage, zero.reduce_bucket_size,
                             zero.stage3_param_persistence_threshold, zero.zeroshard_unit_classes,
                             device)
+    frozen = layout.frozen if layout is not None else []
+    every = [*units, *frozen]  # stage 3's frozen units are sharded and cast too, never stepped
     if replicas is not None:  # frozen units too: every replica starts from rank 0's weights
-        sync_replicas([*units, *layout.frozen], layout.persistent, replicas)
+        sync_replicas(every, layout.persistent, replicas)
     owned = owned_slices(units, zero.stage, opt_comm.rank, layout)
     if is_placeholder(torch_opt):
         placement = make_no_placement(torch_opt, units)
@@ -148,13 +150,12 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                                    loss_scaling=scaler.enabled, shards_land=zero.stage >= 2,
                                    streams=streams)
     del owned
-    frozen = layout.frozen if layout is not None else []
-    for unit in [*units, *frozen]:
+    for unit in every:
         unit.cast(dtype or unit.dtype)
     store = None
     if layout is not None:  # the shards move to their placement now they are in the compute dtype
         store = make_store(zero.offload_param, cfg.aio,
-                           [u for u in [*units, *frozen] if u.index not in layout.persistent],
+                           [u for u in every if u.index not in layout.persistent],
                            rank=comm.rank, streams=streams)
     spec = _stage_spec(cfg, placement, units, dtype, replicas)
     policy = make_policy(units, opt_comm, spec, module=model, layout=layout, store=store,
@@ -207,10 +208,15 @@ def _reduction(cfg: ZeroConfig) -> Reduction:
                      prescale=cfg.prescale_gradients, predivide=cfg.gradient_predivide_factor)
 
 
+def _in_units(zopt: ZeroOptimizer) -> set[int]:
+    """ids of the parameters the units hold (stage 3's frozen units included)."""
+    return {id(p) for unit in zopt.all_units for p in unit.params()}
+
+
 def _move_rest(model: nn.Module, zopt: ZeroOptimizer, device: torch.device, dtype) -> None:
     """Frozen parameters and buffers (what the units do not hold) to the compute device, floating
     ones in the compute dtype; a tensor registered twice stays one tensor."""
-    in_units = {id(p) for unit in [*zopt.units, *zopt.frozen_units] for p in unit.params()}
+    in_units = _in_units(zopt)
 
     def place(tensor: torch.Tensor) -> torch.Tensor:
         out = to_device(tensor, device)
@@ -233,7 +239,7 @@ def _broadcast_from_rank0(model: nn.Module, zopt: ZeroOptimizer, comm: Comm) -> 
     """Give every rank rank 0's frozen parameters and buffers (the units were synced already)."""
     if comm.world_size == 1:
         return
-    in_units = {id(p) for unit in [*zopt.units, *zopt.frozen_units] for p in unit.params()}
+    in_units = _in_units(zopt)
     rest = [p.data for p in model.parameters() if id(p) not in in_units] + list(model.buffers())
     for tensor in rest:
         comm.broadcast(tensor, src=0)

@@ -83,7 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.steps = 0
         #: The I/O error (NvmeError) of a step that failed half-way; cleared by loading a checkpoint.
         self.broken: OSError | None = None
-        for unit in [*self.units, *self.frozen_units]:  # GatheredParameters & co. look here
+        for unit in self.all_units:  # GatheredParameters & co. find a parameter's owner here
             register(self, unit, world_comm or comm)
 
     # -- construction --------------------------------------------------------------------------
@@ -119,6 +119,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def overflow(self) -> bool:
         """DeepSpeed's flag (accelerate reads it): the last optimizer step was skipped (fp16)."""
         return self.steps > 0 and not self.step_applied
+
+    @property
+    def all_units(self) -> list[Unit]:
+        """The trained units, then stage 3's frozen ones."""
+        return [*self.units, *self.frozen_units]
 
     @property
     def parameter_offload(self):
@@ -263,7 +268,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Remove the policy's hooks, release offload files and threads (see Engine.destroy)."""
         self.policy.close(keep_parameters)
         self.placement.close()
-        for unit in [*self.units, *self.frozen_units]:
+        for unit in self.all_units:
             forget(unit)
 
 

@@ -84,7 +84,7 @@ class Stage3(Stage2):
         #: never reduced, no optimizer state.
         self.frozen = list(layout.frozen)
         self.by_index = {u.index: u for u in [*units, *self.frozen]}
-        self.sharded = {u.index for u in [*units, *self.frozen] if u.index not in layout.persistent}
+        self.sharded = {i for i in self.by_index if i not in layout.persistent}
         # On CPU, freed 28 MB buffers stay in glibc's heap; CUDA's caching allocator reuses them.
         on_cpu = all(u.compute_device.type == "cpu" for u in units)
         self.gathered_pool = StoragePool() if on_cpu and \
@@ -127,7 +127,7 @@ class Stage3(Stage2):
 
     def param_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: shards, plus full buffers of gathered units."""
-        every = [*self.units, *self.frozen]
+        every = self.by_index.values()  # trained and frozen units
         return [u.shard if u.index in self.sharded else u.flat for u in every] + \
             [u.flat for u in every if u.index in self.sharded and u.is_gathered] + \
             self.gather.tensors()
@@ -135,7 +135,7 @@ class Stage3(Stage2):
     def placed_param_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Offloaded shards under their placement; persistent and gathered units on the device."""
         placed = {self.store.name: self.store.tensors()}
-        device = [u.flat for u in [*self.units, *self.frozen]
+        device = [u.flat for u in self.by_index.values()
                   if u.index not in self.sharded or u.is_gathered]
         placed.setdefault("device", []).extend(device + self.gather.tensors())
         return placed

@@ -21,7 +21,9 @@ REFUSAL = ("this engine was built without an optimizer (initialize() got neither
 
 def placeholder_optimizer(params) -> torch.optim.Optimizer:
     """An optimizer that only names the parameters to lay out (never stepped)."""
-    opt = torch.optim.SGD(params, lr=0.0)
+    # One group, possibly empty: a model whose parameters are all frozen (a reference model)
+    # is laid out as frozen units only.
+    opt = torch.optim.SGD([{"params": list(params)}], lr=0.0)
     opt._zeroshard_no_optimizer = True
     return opt
 

@@ -82,6 +82,27 @@ def test_pool_moves_bytes_but_keeps_the_storage_that_views_hold():
     other.untyped_storage().resize_(0)
     pool.lend(other.untyped_storage(), 64 * 4)  # the same bytes serve another unit of that size
     assert len(pool.tensors()) == 0 and other.untyped_storage().nbytes() == 256
+    assert pool.fresh == 1  # the second lend reused the first block
+
+
+def test_the_cpu_accelerators_empty_cache_empties_every_pool():
+    """get_accelerator().empty_cache() on the host frees spare gathered memory, as
+    torch.cuda.empty_cache frees the caching allocator's, and leaves lent blocks alone."""
+    from zeroshard.compat.deepspeed.accelerator.cpu import CpuAccelerator
+
+    pools = [StoragePool(), StoragePool()]
+    lent = torch.zeros(16)
+    for pool in pools:
+        storage = torch.zeros(16).untyped_storage()
+        storage.resize_(0)
+        pool.lend(storage, 64)
+        pool.take_back(storage)
+    lent.untyped_storage().resize_(0)
+    pools[0].lend(lent.untyped_storage(), 64)
+    pools[0].take_back(torch.zeros(32).untyped_storage())  # a second spare, of another size
+    CpuAccelerator().empty_cache()
+    assert all(pool.tensors() == [] for pool in pools)
+    assert lent.untyped_storage().nbytes() == 64
 
 
 class MiniGPT(nn.Module):

@@ -2,7 +2,8 @@
 torch: a frozen base is sharded like the trained parameters (1/N per rank, never whole, also when
 built under zeroshard.Init, also under LoRA adapters added to a partitioned base), training equals plain torch, evaluation and `generate()` leave
 nothing gathered when they return, and `generate()` gathers the model once per call (not once
-per token) while it fits, with the same tokens as plain torch."""
+per token) while it fits, with the same tokens as plain torch, into memory the next call reuses
+until `engine.empty_partition_cache()`."""
 
 from __future__ import annotations
 
@@ -233,9 +234,34 @@ def _generate(rank, engine, model):
         got = model.generate(prompt, **kwargs)
     finally:
         del policy.schedule.demand
-    return {"equal": torch.equal(want, got), "gathered_after": _gathered(engine),
-            "gather_bytes": engine.comm_report().get("all_gather", 0), "model_bytes": model_bytes,
-            "hook_demands": len(demands)}
+    out = {"equal": torch.equal(want, got), "gathered_after": _gathered(engine),
+           "gather_bytes": engine.comm_report().get("all_gather", 0), "model_bytes": model_bytes,
+           "hook_demands": len(demands)}
+    out["again"] = _generate_again(engine, model, prompt, kwargs, want)
+    # An engine without optimizer (inference only), over a copy of the plain model.
+    plain.requires_grad_(False)
+    inference, _, _, _ = zeroshard.initialize(model=plain, config=CONFIG)
+    first = torch.equal(plain.generate(prompt, **kwargs), want)
+    out["inference"] = {"first": first, **_generate_again(inference, plain, prompt, kwargs, want)}
+    inference.destroy()
+    return out
+
+
+def _generate_again(engine, model, prompt, kwargs, want) -> dict:
+    """A second generate() reuses the first one's memory (no new block); empty_partition_cache()
+    gives it back, except what a GatheredParameters context holds."""
+    pool = engine.optimizer.policy.gathered_pool
+    fresh = pool.fresh
+    equal = torch.equal(model.generate(prompt, **kwargs), want)
+    out = {"equal": equal, "new_blocks": pool.fresh - fresh, "gathered_after": _gathered(engine),
+           "spare_before": sum(t.numel() for t in pool.tensors())}
+    held = next(p for p in model.parameters() if hasattr(p, "ds_numel"))
+    with zeroshard.GatheredParameters([held]):
+        engine.empty_partition_cache()
+        out["held_kept"] = held.numel() == held.ds_numel
+    out["spare_after"] = sum(t.numel() for t in pool.tensors())
+    out["buffers_after"] = engine.memory_report()["buffers"]["device"]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +312,16 @@ def test_generate_gathers_once_per_call_and_equals_plain_torch(results):
         assert 0 < gen["gather_bytes"] <= gen["model_bytes"], gen
         # Held whole for the call, the per-module hooks step aside (no bookkeeping per token).
         assert gen["hook_demands"] == 0, gen
+
+
+@pytest.mark.parametrize("engine", ["training", "inference"])
+def test_generate_reuses_its_memory_until_empty_partition_cache(results, engine):
+    """A second call touches no new memory (the first call's blocks wait in the pool, as CUDA's
+    caching allocator keeps them on a GPU); empty_partition_cache() frees them and every
+    gathered unit, but not one a GatheredParameters context holds."""
+    for rank, got in enumerate(results):
+        again = got["generate"]["again" if engine == "training" else "inference"]
+        assert again["equal"] and again.get("first", True), (rank, again)
+        assert again["new_blocks"] == 0 and again["gathered_after"] == 0, (rank, again)
+        assert again["spare_before"] > 0, (rank, again)
+        assert again["held_kept"] and again["spare_after"] == 0, (rank, again)

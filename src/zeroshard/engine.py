@@ -293,6 +293,11 @@ class Engine(nn.Module):
 
         return GatheredParameters(list(self.module.parameters()))
 
+    def empty_partition_cache(self) -> None:
+        """Free stage-3 memory kept for reuse: gathered units no context holds and the spare
+        gathered-unit blocks (DeepSpeed's name; a no-op at stages 0-2)."""
+        self.optimizer.policy.empty_cache()
+
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """Whether `save_16bit_model` gathers stage-3 weights (stage3_gather_16bit_weights_on_model_save)."""
         return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save

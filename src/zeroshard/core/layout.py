@@ -14,6 +14,7 @@ unit is gathered (`Unit.shard`, `Unit.release`).
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -236,16 +237,27 @@ class StoragePool:
     A unit's full-buffer storage object must stay the same (autograd saved views of it), so the
     pool moves the *bytes*: `lend` swaps a spare block's data pointer into the unit's empty
     storage, `take_back` swaps it out into a spare again. Blocks are kept per (device, size);
-    their number is bounded by how many units of that size are ever gathered at once.
+    their number is bounded by how many units of that size are ever gathered at once (so by
+    stage3_max_live_parameters). It plays on the host the part CUDA's caching allocator plays on
+    a GPU (where no pool is made); `engine.empty_partition_cache()` empties it, and
+    `get_accelerator().empty_cache()` empties every pool of the process (as torch.cuda.empty_cache).
     """
+
+    live: "weakref.WeakSet[StoragePool]" = weakref.WeakSet()
 
     def __init__(self):
         self.free: dict[tuple[str, int], list[torch.UntypedStorage]] = {}
+        self.fresh = 0  # blocks allocated because no spare one fitted
+        StoragePool.live.add(self)
 
     def lend(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Fill an empty `storage` with `nbytes` bytes from the pool (or fresh memory)."""
         spare = self.free.get((str(storage.device), nbytes))
-        block = spare.pop() if spare else torch.UntypedStorage(nbytes, device=storage.device)
+        if spare:
+            block = spare.pop()
+        else:
+            block = torch.UntypedStorage(nbytes, device=storage.device)
+            self.fresh += 1
         storage._swap_data_ptr_(block)
 
     def take_back(self, storage: torch.UntypedStorage) -> None:
@@ -254,6 +266,10 @@ class StoragePool:
         block = torch.UntypedStorage(0, device=storage.device)
         storage._swap_data_ptr_(block)
         self.free.setdefault(key, []).append(block)
+
+    def clear(self) -> None:
+        """Give every spare block back to the host allocator."""
+        self.free.clear()
 
     def tensors(self) -> list[torch.Tensor]:
         """Spare blocks as byte tensors (for the memory ledger)."""

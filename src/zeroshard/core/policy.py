@@ -193,6 +193,9 @@ class StagePolicy:
         """Communication buffers held between collectives (for the memory ledger)."""
         return []
 
+    def empty_cache(self) -> None:
+        """Free memory kept for reuse (stage 3: gathered units and spare blocks); none below."""
+
     def drain(self) -> None:
         """Finish offload I/O in flight, ignoring failures (after one was reported)."""
 

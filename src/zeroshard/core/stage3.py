@@ -27,8 +27,9 @@ Communication plan, per micro-step (each collective names its unit to the desync
 Total per micro-step: 3 x Psi x (N-1)/N, as in the ZeRO paper.
 Evaluation (a forward no backward follows) frees what it gathered when the root's forward returns.
 `generate()` (`generation.py`), while the model fits in stage3_max_live_parameters, gathers every
-unit once (`hold_all`: Psi x (N-1)/N per call, exact) and frees them on return; meanwhile the
-forward hooks do nothing, so decode steps make no collective and no bookkeeping.
+unit once (`hold_all`: Psi x (N-1)/N per call, exact) and frees them on return (on the host,
+into the pool that training's gathers reuse too); meanwhile the forward hooks do nothing, so
+decode steps make no collective and no bookkeeping.
 
 How a unit is gathered and how its gradient is reduced are strategies the policy is built with
 (`strategies.py`; composed in `stages.py`): plain, or ZeRO++'s (`zeropp/`), or MiCS's (`mics.py`).
@@ -426,14 +427,25 @@ class Stage3(Stage2):
             yield
         finally:
             self.holding_all -= 1
-            self.unpin(indices)
+            # No user code kept views of these buffers: their bytes go back to the pool, so the
+            # next call (and the next training step) reuses them instead of touching new memory.
+            self.unpin(indices, detach=False)
 
-    def unpin(self, indices) -> None:
-        """Undo one `pin`; units no module is running are freed."""
+    def unpin(self, indices, detach: bool = True) -> None:
+        """Undo one `pin`; units no module is running are freed (`detach`: see Unit.release)."""
         for index in sorted(i for i in set(indices) if i in self.sharded):
             self.pinned[index] = max(0, self.pinned.get(index, 0) - 1)
             if not self.active.get(index):
-                self.reshard(index, detach=True)
+                self.reshard(index, detach=detach)
+
+    def empty_cache(self) -> None:
+        """Free every gathered unit that no module runs and no context pins, and the pool's
+        spare blocks (`engine.empty_partition_cache`)."""
+        for index in sorted(self.sharded):
+            if not self.active.get(index):
+                self.reshard(index)
+        if self.gathered_pool is not None:
+            self.gathered_pool.clear()
 
     def commit(self, unit: Unit) -> None:
         """Copy this rank's slice of a gathered unit's (changed) full buffer into its shard."""

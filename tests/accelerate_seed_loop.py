@@ -6,7 +6,8 @@ world of ranks with the ZeRO settings in an `accelerate config` YAML. Run as a s
 (`zeroshard run --config_file acc.yaml tests/accelerate_seed_loop.py --out DIR`) it is the seed
 exactly, `from accelerate import Accelerator` (the real one, which reaches zeroshard through
 DeepSpeed's name), and rank 0 writes DIR/result.json with the final weights, what accelerate's
-state said, and what a DeepSpeed-Chat-style `save_zero_three_model` wrote.
+state said, what a DeepSpeed-Chat-style `save_zero_three_model` wrote, and how TRL's
+`prepare_deepspeed` wrapped a frozen copy of the trained model.
 """
 
 import json
@@ -99,6 +100,27 @@ def save_like_deepspeed_chat(model, rank: int, path: str) -> None:
         torch.save(state, path)
 
 
+def frozen_reference(accelerator, model) -> dict:
+    """TRL's `prepare_deepspeed` (how its trainers wrap reference and teacher models: no
+    optimizer, stage 3 or else stage 0) over a frozen copy of the trained model, as TRL's SDFT
+    teacher (`requires_grad_(False)`): its loss equals the trained engine's on the same batch."""
+    from trl.models.utils import prepare_deepspeed
+
+    reference = CausalLM()
+    reference.load_state_dict(weights(accelerator, model))
+    reference.requires_grad_(False)
+    reference.config = types.SimpleNamespace(hidden_size=8)  # TRL reads the hidden size
+    engine = prepare_deepspeed(reference, accelerator)
+    batch = {k: torch.stack([s[k] for s in samples(4)]) for k in ("input_ids", "labels")}
+    with torch.no_grad():
+        got, want = engine(**batch).loss.item(), model(**batch).loss.item()
+    return {"stage": engine.zero_optimization_stage(), "loss": got, "trained_loss": want,
+            "elements": [sum(p.numel() for p in reference.parameters()),
+                         sum(getattr(p, "ds_numel", p.numel()) for p in reference.parameters())],
+            "grads_and_optimizer": sum(sum(engine.memory_report()[k].values())
+                                       for k in ("grads", "optimizer"))}
+
+
 def unsaved_errors(model) -> list[str]:
     """What `state_dict()` and `torch.save(param)` of partitioned parameters say (stage 3)."""
     import io
@@ -118,6 +140,7 @@ if __name__ == "__main__":
     accelerator, model = seed_loop(*fresh())
     final = weights(accelerator, model)
     stage = model.zero_optimization_stage()
+    reference = frozen_reference(accelerator, model)
     if stage == 3:
         save_like_deepspeed_chat(model, accelerator.process_index,
                                  os.path.join(out, "pytorch_model.bin"))
@@ -129,5 +152,6 @@ if __name__ == "__main__":
                        "offload": model.config["zero_optimization"].get("offload_optimizer"),
                        "offload_param": model.config["zero_optimization"].get("offload_param"),
                        "unsaved_errors": unsaved_errors(model) if stage == 3 else [],
+                       "reference": reference,
                        "weights": {k: v.tolist() for k, v in final.items()}}, fh)
     accelerator.wait_for_everyone()

@@ -103,6 +103,14 @@ def test_seed_loop_with_real_accelerate_engages_zero(stage, tmp_path):
     assert result["engine"] == "zeroshard.engine" and result["offload"]["device"] == "cpu"
     got = {k: torch.tensor(v) for k, v in result["weights"].items()}
     assert _worst(got, reference(clip=1.0)) < 1e-5
+    # TRL's prepare_deepspeed over a frozen copy (no trainable parameter, no optimizer): the
+    # trained model's loss, no gradients or optimizer state, partitioned at stage 3 but for
+    # the tensors under TRL's persistence threshold (TRL leaves other stages at 0, whole).
+    ref = result["reference"]
+    assert ref["stage"] == (3 if stage == 3 else 0) and ref["grads_and_optimizer"] == 0, ref
+    assert ref["loss"] == pytest.approx(ref["trained_loss"], rel=1e-6), ref
+    held, total = ref["elements"]
+    assert held < total / 2 if stage == 3 else held == total, ref
     if stage == 3:
         assert result["offload_param"]["device"] == "cpu"
         # Saving partitioned parameters outside a gather: the pickle refuses, state_dict warns.

@@ -3,7 +3,7 @@ operation, on every live rank, within the timeout; in steady state it adds no co
 
 One world of 2 ranks runs every case (after each desync the ranks start a fresh default group
 over the same rendezvous store, since the old one is left unusable on purpose). A second world,
-started alongside, has a rank that really exits. Cases: rank 0 catches an exception and calls
+started alongside, has a rank that really exits before its peer's next collective. Cases: rank 0 catches an exception and calls
 save_checkpoint while rank 1 is in backward (stages 2 and 3); rank 1 skips a block in one forward;
 rank 1 steps without its micro-step; rank 1 is busy outside any collective; and the number of
 torch.distributed collectives per micro-step with the watchdog on and off.
@@ -196,6 +196,19 @@ def _all(rank, world, save_dir):
 
 # -- a world whose rank 1 exits ------------------------------------------------------------------
 
+def _wait_until_ended(pid: int, limit_s: float = 60.0) -> None:
+    """Return once process `pid` has exited (gone, or a zombie its parent has not reaped)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+
+
 def _exit_entry(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), ZEROSHARD_QUIET="1")
@@ -203,12 +216,18 @@ def _exit_entry(rank, world, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     tokens, targets = micro_slice(make_batches(1, 2 * world)[0], 0, rank, world, 2)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
 
     def run():
         # A long timeout: a known-dead peer must not cost the 30 s wait for its report.
         engine, _ = _engine(2, timeout=300)
         if rank == 1:
             os._exit(3)  # a crash: no exception, no report, connections closed by the kernel
+        # The survivor reaches its next collective after the crash, so gloo refuses to post it
+        # ("Connection closed by peer") rather than failing it in the wait: both are named.
+        _wait_until_ended(pids[1])
+        time.sleep(1.0)  # and gloo's I/O thread has seen its connection close
         engine.backward(lm_loss(engine(tokens), targets))
 
     result = _outcome(run)

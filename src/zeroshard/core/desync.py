@@ -145,6 +145,13 @@ class Watchdog:
                 timed_out = "timed out" in str(err).lower()
                 self._stuck(ticket, start, None if timed_out else err, works)
 
+    def failed(self, ticket: tuple, err: RuntimeError) -> None:
+        """A collective that could not even be posted (a peer's connection is already closed):
+        DesyncError, diagnosed as a failed wait."""
+        if self.verdict is not None:
+            raise DesyncError(self.verdict) from None
+        self._stuck(ticket, time.monotonic(), err)
+
     # -- diagnosis -------------------------------------------------------------------------------
     def _stuck(self, ticket: tuple, start: float, err, works=()) -> None:
         """Publish this rank's operation, read the peers', raise DesyncError on this rank."""

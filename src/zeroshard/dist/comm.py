@@ -112,7 +112,7 @@ class _ExchangeReduceScatter:
                                       tag))
                 ops.append(dist.P2POp(dist.irecv, incoming[k], comm._ranks[peer], comm.group,
                                       tag))
-        self.requests = dist.batch_isend_irecv(ops)
+        self.requests = comm._post(ticket, lambda: dist.batch_isend_irecv(ops))
         comm._started(self.requests, ticket)
 
     def wait(self) -> None:
@@ -168,6 +168,18 @@ class Comm:
     def _ticket(self, kind: str, unit):
         return None if self.watch is None else self.watch.issued(kind, unit)
 
+    def _post(self, ticket, issue) -> list:
+        """Post one collective (`issue()` returns its work objects). A peer that is already gone
+        can fail it here, before any wait (gloo: "Connection closed by peer"): under the
+        watchdog that failure is diagnosed like a failed wait (a DesyncError naming the peer)."""
+        try:
+            return [w for w in issue() if w is not None]
+        except RuntimeError as err:
+            if ticket is None:
+                raise
+            self.watch.failed(ticket, err)
+            raise
+
     def _started(self, works, ticket) -> None:
         if ticket is not None:
             self.watch.started(works, ticket)
@@ -183,7 +195,7 @@ class Comm:
         """Issue one collective (`issue()` returns its work objects); wait unless `async_op`.
         `then`: a last local step, run once the collective has finished."""
         ticket = self._ticket(kind, unit)
-        works = [w for w in issue() if w is not None]
+        works = self._post(ticket, issue)
         self._started(works, ticket)
         handle = _Watched(self, works, ticket, then)
         return handle if async_op else handle.wait()
@@ -316,7 +328,8 @@ class Comm:
             # Native: regroup so that each rank's K pieces are contiguous (a copy when K > 1).
             full = rows.transpose(0, 1).reshape(-1)
             out = torch.empty(own.shape, dtype=rows.dtype, device=rows.device)
-            works = [_REDUCE_SCATTER(out.view(-1), full, group=self.group, async_op=True)]
+            works = self._post(ticket, lambda: [
+                _REDUCE_SCATTER(out.view(-1), full, group=self.group, async_op=True)])
             self._started(works, ticket)
             # The last step of a native reduce-scatter: copy the received slice into place.
             handle = _Watched(self, works, ticket, then=lambda: own.copy_(out))

@@ -383,3 +383,42 @@ def test_device_backend_poller_reports_without_blocking_the_host():
         watch.issued("reduce-scatter")
     with pytest.raises(zeroshard.DesyncError):
         watch.wait([_StuckWork()], ticket)
+
+
+class _ClosedWork:
+    """A gloo work object whose peer's connection closed while it waited."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+
+
+def test_a_closed_connection_fails_the_collective_at_posting_or_in_the_wait():
+    """Both places a dead peer shows up on gloo become the DesyncError that reports it: the wait
+    (the peer died while the collective was in flight) and the posting (it died before the
+    survivor's next collective: gloo's isend raises "Connection closed by peer")."""
+    from types import SimpleNamespace
+
+    from zeroshard.core.desync import watch_collectives
+    from zeroshard.dist.comm import Comm
+
+    class _GlooComm(_FakeComm):
+        composed = True
+
+    watch = watch_collectives(_GlooComm(), 300)
+    assert not watch.polled
+    ticket = watch.issued("reduce-scatter", "unit 2 (block1)")
+    start = time.monotonic()
+    with pytest.raises(zeroshard.DesyncError, match="collective failed after .*Connection reset"):
+        watch.wait([_ClosedWork()], ticket)
+    assert time.monotonic() - start < 30  # not the 300 s timeout
+
+    def closed():
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+    comm = SimpleNamespace(watch=watch_collectives(_GlooComm(), 300))
+    ticket = comm.watch.issued("reduce-scatter", "unit 2 (block1)")
+    with pytest.raises(zeroshard.DesyncError, match="reduce-scatter.*Connection closed by peer"):
+        Comm._post(comm, ticket, closed)
+    with pytest.raises(RuntimeError, match="Connection closed") as raw:  # no watchdog: as is
+        Comm._post(SimpleNamespace(watch=None), None, closed)
+    assert not isinstance(raw.value, zeroshard.DesyncError)

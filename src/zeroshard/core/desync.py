@@ -46,6 +46,7 @@ import os
 import socket
 import threading
 import time
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -145,7 +146,7 @@ class Watchdog:
                 timed_out = "timed out" in str(err).lower()
                 self._stuck(ticket, start, None if timed_out else err, works)
 
-    def failed(self, ticket: tuple, err: RuntimeError) -> None:
+    def failed(self, ticket: tuple, err: RuntimeError) -> NoReturn:
         """A collective that could not even be posted (a peer's connection is already closed):
         DesyncError, diagnosed as a failed wait."""
         if self.verdict is not None:

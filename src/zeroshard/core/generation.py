@@ -29,8 +29,7 @@ def install(module: nn.Module, policy) -> None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        indices = sorted(policy.sharded)
-        numel = sum(policy.by_index[i].padded_numel for i in indices)
+        numel = sum(policy.by_index[i].padded_numel for i in policy.sharded)
         if numel > policy.options.max_live_parameters:
             if takes_synced and policy.comm.world_size > 1:
                 kwargs.setdefault("synced_gpus", True)

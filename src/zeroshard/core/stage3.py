@@ -215,10 +215,11 @@ class Stage3(Stage2):
         self.gather.released(index)
         self.live_numel -= unit.padded_numel
 
-    def reshard_all(self) -> None:
-        """Free every gathered (unpinned) unit."""
+    def reshard_all(self, skip_running: bool = False) -> None:
+        """Free every gathered (unpinned) unit; `skip_running`: not those a running module needs."""
         for index in sorted(self.sharded):
-            self.reshard(index)
+            if not (skip_running and self.active.get(index)):
+                self.reshard(index)
 
     def _prefetch(self) -> None:
         budget = self.options.prefetch_bucket_size
@@ -441,9 +442,7 @@ class Stage3(Stage2):
     def empty_cache(self) -> None:
         """Free every gathered unit that no module runs and no context pins, and the pool's
         spare blocks (`engine.empty_partition_cache`)."""
-        for index in sorted(self.sharded):
-            if not self.active.get(index):
-                self.reshard(index)
+        self.reshard_all(skip_running=True)
         if self.gathered_pool is not None:
             self.gathered_pool.clear()
 

@@ -177,8 +177,7 @@ class Comm:
         except RuntimeError as err:
             if ticket is None:
                 raise
-            self.watch.failed(ticket, err)
-            raise
+            self.watch.failed(ticket, err)  # raises the DesyncError
 
     def _started(self, works, ticket) -> None:
         if ticket is not None:

@@ -161,7 +161,7 @@ def _engine_case(rank, world) -> dict:
     model = _DeepSpeedCheckpointedLM()
     engine, *_ = zeroshard.initialize(
         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config={
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": None,
+        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": None, "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": True}})
     held = []

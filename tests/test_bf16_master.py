@@ -22,7 +22,8 @@ def _config(stage, offload, bf16):
     zero = {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0}
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload}
-    return {"train_micro_batch_size_per_gpu": MICRO, "bf16": bf16, "zero_optimization": zero}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "bf16": bf16,
+            "zero_optimization": zero}
 
 
 def _train(rank, world, config, batches, optimizer):

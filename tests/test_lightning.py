@@ -114,7 +114,8 @@ def config(stage: int, **extra) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 64}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": MICRO, **extra}
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0.0, **extra}
 
 
 def make_trainer(root: str, cfg, devices: int = 2, callbacks=(), **kwargs):
@@ -211,7 +212,9 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     # accumulation from the config with a per-step LR schedule; clipping from the Trainer
     out["accum"] = fit(root, config(1, gradient_accumulation_steps=2), steps=4, sched=True,
                        opt="sgd")
-    out["clip"] = fit(root, config(2), opt="sgd", gradient_clip_val=CLIP,
+    clip_cfg = config(2)
+    del clip_cfg["gradient_clipping"]  # the Trainer's gradient_clip_val sets it
+    out["clip"] = fit(root, clip_cfg, opt="sgd", gradient_clip_val=CLIP,
                       gradient_clip_algorithm="norm")
     out["manual"] = fit(root, config(3), manual=True, opt="sgd")
     bf16 = config(2, bf16={"enabled": True})

@@ -60,7 +60,7 @@ def _train_watched(rank, world) -> dict:
     model = make_model()
     config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-        "steps_per_print": 2, "wall_clock_breakdown": True,
+        "gradient_clipping": 0.0, "steps_per_print": 2, "wall_clock_breakdown": True,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "tensorboard": {"enabled": True, "output_path": os.path.join(root, "tb"),
                         "job_name": "run1"},

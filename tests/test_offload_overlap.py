@@ -37,7 +37,9 @@ def _config(stage, early=True, precision="fp32", clip=0.0, param=None, **zero):
     if param:
         zero["offload_param"] = {"device": param, "buffer_count": 3}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-            "gradient_clipping": clip, "bf16": {"enabled": precision == "bf16"},
+            # a step that may be skipped (bf16's check_grad_overflow) is not stepped in backward
+            "gradient_clipping": clip, "bf16": {"enabled": precision == "bf16",
+                                                "check_grad_overflow": False},
             "fp16": {"enabled": precision == "fp16", "initial_scale_power": 8},
             "zero_optimization": zero}
 
@@ -96,7 +98,10 @@ def _bitwise(rank):
 
 def _fallbacks(rank):
     out = {}
+    skippable = _config(2, precision="bf16")
+    skippable["bf16"]["check_grad_overflow"] = True
     for name, config in (("clipping", _config(2, clip=1.0)), ("fp16", _config(2, precision="fp16")),
+                         ("bf16 check_grad_overflow", skippable),
                          ("default on a CPU device", _config(2, early=None))):
         engine, _ = _engine(config)
         _train(engine, rank, steps=1)
@@ -279,6 +284,7 @@ def test_step_stays_after_backward_where_the_global_norm_comes_first(results):
     for got in results:
         assert got["fallbacks"]["clipping"] is None
         assert got["fallbacks"]["fp16"] is None
+        assert got["fallbacks"]["bf16 check_grad_overflow"] is None
         assert got["fallbacks"]["default on a CPU device"] is None
         assert got["fallbacks"]["prepare"].get("in backward", 0) == 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ STAGES = (0, 1, 2, 3)
 def _config(stage, **extra):
     # At stage 3 every parameter is sharded (none small enough to stay whole).
     stage3 = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
-    return {"train_micro_batch_size_per_gpu": MICRO,
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, **stage3}, **extra}
 
 
@@ -115,6 +117,39 @@ def _nonfinite_error(rank, world, stage):
     return {"message": message, "unchanged": unchanged, "counters": counters}
 
 
+def _bf16_nonfinite(rank, world, stage, check):
+    """bf16: a nan loss on one rank; DeepSpeed's check_grad_overflow skips the step on every rank
+    (the scheduler does not move), without it the step is refused as at fp32."""
+    model = make_model()
+    engine, _, _, sched = zeroshard.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+        config=_config(stage, bf16={"enabled": True, "check_grad_overflow": check}))
+    batch = make_batches(1, MICRO * world)[0]
+    tokens, targets = micro_slice(batch, 0, rank, world, MICRO)
+    loss = lm_loss(engine(tokens), targets)
+    if rank == world - 1:
+        loss = loss * float("nan")
+    before = _snapshot(engine)
+    engine.backward(loss)
+    message = None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            engine.step()
+        except zeroshard.NonFiniteGradientError as err:
+            message = str(err)
+    out = {"message": message, "unchanged": _same(before, _snapshot(engine)),
+           "applied": engine.was_step_applied(), "lr": engine.get_lr()[0],
+           "warned": [str(w.message) for w in seen if "check_grad_overflow" in str(w.message)],
+           "counters": (engine.global_steps, engine.micro_steps, engine.skipped_steps)}
+    engine.backward(lm_loss(engine(tokens), targets))  # the next finite step is applied
+    engine.step()
+    out["next"] = (engine.was_step_applied(), engine.get_lr()[0], engine.skipped_steps)
+    engine.destroy()
+    return out
+
+
 def _min_scale_error(rank, world, stage):
     model = make_model()
     engine, _, _, _ = zeroshard.initialize(
@@ -136,6 +171,8 @@ def _min_scale_error(rank, world, stage):
 def _all(rank, world):
     return {stage: {"bf16": _bf16(rank, world, stage), "fp16": _fp16_overflow(rank, world, stage),
                     "nonfinite": _nonfinite_error(rank, world, stage),
+                    "bf16_skip": _bf16_nonfinite(rank, world, stage, True),
+                    "bf16_raise": _bf16_nonfinite(rank, world, stage, False),
                     "min_scale": _min_scale_error(rank, world, stage)} for stage in STAGES}
 
 
@@ -169,6 +206,22 @@ def test_fp16_overflow_skips_step_and_halves_scale(results, stage):
         assert got["scale2"] == got["scale1"] / 2
         assert got["applied2"] and not got["unchanged2"]
         assert got["skipped"] == 1 and got["global_steps"] == 3
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_check_grad_overflow_skips_the_step_on_every_rank(results, stage):
+    """DeepSpeed 0.19.3+'s default: a bf16 step with an inf/nan gradient is skipped, counted in
+    skipped_steps, the LR schedule waits; the next finite step is applied."""
+    for rank, rank_result in enumerate(results):
+        got = rank_result[stage]["bf16_skip"]
+        assert got["message"] is None, f"rank {rank}: {got['message']}"
+        assert got["unchanged"] and not got["applied"]
+        assert got["counters"] == (1, 1, 1) and got["lr"] == 0.1
+        assert bool(got["warned"]) == (rank == 0), got["warned"]  # one line, from rank 0
+        assert got["next"] == (True, 0.05, 1)
+        off = rank_result[stage]["bf16_raise"]
+        assert off["message"] is not None and "not applied" in off["message"]
+        assert off["unchanged"] and off["counters"] == (1, 1, 1)
 
 
 @pytest.mark.parametrize("stage", STAGES)

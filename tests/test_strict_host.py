@@ -193,7 +193,7 @@ def _staged(rank, world, root):
 
 
 def _small_config(stage, **zero):
-    return {"train_micro_batch_size_per_gpu": 2,
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,
                                   "stage3_param_persistence_threshold": 0, **zero}}
 

@@ -51,6 +51,11 @@ def _master_dtype(config: ZeroConfig) -> torch.dtype:
     return torch.float32
 
 
+def _skips_nonfinite(config: ZeroConfig) -> bool:
+    """bf16 with check_grad_overflow (DeepSpeed's default): an inf/nan gradient skips the step."""
+    return config.bf16.enabled and config.bf16.check_grad_overflow
+
+
 def _resolve_config(config, args, config_params):
     if config is None:
         config = config_params
@@ -147,7 +152,9 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                                    torch_opt, units, owned, dtype, rank=comm.rank,
                                    master_dtype=_master_dtype(cfg), syncs=syncs,
                                    clip_norm=cfg.gradient_clipping,
-                                   loss_scaling=scaler.enabled, shards_land=zero.stage >= 2,
+                                   # a step that may be skipped is not stepped in backward
+                                   loss_scaling=scaler.enabled or _skips_nonfinite(cfg),
+                                   shards_land=zero.stage >= 2,
                                    streams=streams)
     del owned
     for unit in every:
@@ -163,7 +170,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
     return ZeroOptimizer(model, torch_opt, opt_comm, units, policy, placement,
                          clip_norm=cfg.gradient_clipping, scaler=scaler, syncs=syncs,
                          world_comm=comm,  # GatheredParameters' modifier_rank numbers the world
-                         frozen_units=frozen)
+                         frozen_units=frozen,
+                         skip_nonfinite=_skips_nonfinite(cfg))
 
 
 def _stage_spec(cfg: ZeroConfig, placement, units, dtype, replicas: Comm | None) -> StageSpec:

@@ -52,7 +52,9 @@ class Engine(nn.Module):
         self.tput_timer = ThroughputTimer(self)
         self.compute_dtype = _compute_dtype(config)
         autocast = config.torch_autocast
-        self.autocast_dtype = getattr(torch, autocast.dtype) if autocast.enabled else None
+        self.autocast_dtype = None if not autocast.enabled else \
+            getattr(torch, autocast.dtype) if autocast.dtype is not None else \
+            torch.get_autocast_dtype(self.device.type)  # no dtype: torch's own default
         #: DeepSpeed's engine.monitor (TensorBoard/CSV/W&B/Comet writers, rank 0), and what the
         #: loop reports: log line, wall-clock breakdown, flops profile (zeroshard/monitor/).
         self.monitor = MonitorMaster(config, comm.rank)

@@ -69,6 +69,10 @@ class FP16Config(_Block):
 class BF16Config(_Block):
     """bf16 mixed precision (no loss scaling needed)."""
     enabled: Bool = False
+    check_grad_overflow: Bool = True
+    """Skip a step whose gradients hold inf/nan (counted in skipped_steps, as fp16 overflow);
+    false raises NonFiniteGradientError instead (DeepSpeed would apply the step). DeepSpeed's
+    default since 0.19.3."""
     bf16_master_weights_and_grads: Bool = False
     """Keep each shard's master weights (and the gradients the optimizer reads) in bf16, not fp32."""
     bf16_optimizer_states: Bool = False
@@ -87,7 +91,8 @@ class TorchAutocastConfig(_Block):
     enabled: Bool = False
     dtype: Annotated[str, _choice("bfloat16", "float16", aliases={
         "torch.bfloat16": "bfloat16", "bf16": "bfloat16", "bfloat": "bfloat16",
-        "torch.float16": "float16", "fp16": "float16", "half": "float16"})] = "bfloat16"
+        "torch.float16": "float16", "fp16": "float16", "half": "float16"})] | None = None
+    """None: torch.autocast's own default for the device (float16 on CUDA, bfloat16 on CPU)."""
     lower_precision_safe_modules: Annotated[list[str], BeforeValidator(_check_names)] | None = None
     """DeepSpeed communicates these modules' gradients in `dtype`; accepted, no effect here."""
 
@@ -117,7 +122,9 @@ class OffloadOptimizerConfig(_NvmeBlock):
     device: Device = "none"
     nvme_path: Str | None = None
     buffer_count: PosInt = 4
-    pin_memory: Bool = False
+    pin_memory: Bool = True
+    """Page-locked host buffers on CUDA (no effect on a CPU-only machine); DeepSpeed's default
+    since 0.19.5."""
     pipeline_read: Bool = False
     pipeline_write: Bool = False
     fast_init: Bool = False
@@ -137,7 +144,9 @@ class OffloadParamConfig(_NvmeBlock):
     buffer_count: PosInt = 5
     buffer_size: PosInt = 100_000_000
     max_in_cpu: NonNegInt = 1_000_000_000
-    pin_memory: Bool = False
+    pin_memory: Bool = True
+    """Page-locked host buffers on CUDA (no effect on a CPU-only machine); DeepSpeed's default
+    since 0.19.5."""
 
 
 class AioConfig(_Block):
@@ -206,7 +215,9 @@ class ZeroConfig(_Block):
     train_batch_size: PosInt | None = None
     train_micro_batch_size_per_gpu: PosInt | None = None
     gradient_accumulation_steps: PosInt | None = None
-    gradient_clipping: NonNegFloat = 0.0
+    gradient_clipping: NonNegFloat = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off. DeepSpeed's default is
+    1.0 since 0.19.3 (0 before)."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
@@ -214,7 +225,8 @@ class ZeroConfig(_Block):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
-    steps_per_print: Period = 10
+    steps_per_print: Period = None
+    """Print a progress line every N optimizer steps; None (DeepSpeed's default) never."""
     wall_clock_breakdown: Bool = False
     # Watching a run (zeroshard.monitor) and deepspeed.checkpointing (zeroshard.activations).
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)

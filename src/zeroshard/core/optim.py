@@ -24,6 +24,7 @@ it (the placement holds no reference to the policy).
 from __future__ import annotations
 
 import errno
+import warnings
 
 import torch
 from torch import nn
@@ -42,6 +43,10 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient was inf/nan outside fp16 loss scaling; the step was not applied."""
 
 
+class NonFiniteGradientWarning(UserWarning):
+    """A bf16 step skipped for an inf/nan gradient (bf16.check_grad_overflow)."""
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps the user's optimizer over this rank's shards and keeps full parameters in sync.
 
@@ -52,18 +57,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  units: list[Unit], policy: StagePolicy, placement, *, clip_norm: float,
                  scaler: LossScaler, syncs: HostSyncs, world_comm: Comm | None = None,
-                 frozen_units: list[Unit] = ()):
+                 frozen_units: list[Unit] = (), skip_nonfinite: bool = False):
         """Compose the parts `build.py` made: `units` (cast to the compute dtype), the stage
         `policy` over them, and the `placement` of masters and optimizer state (which re-seated
         `optimizer` on its masters). `world_comm` numbers ranks for GatheredParameters when
         `comm` is a MiCS shard group; `frozen_units`: stage 3's units of frozen parameters
-        (sharded, gathered by the policy, no masters)."""
+        (sharded, gathered by the policy, no masters); `skip_nonfinite`: an inf/nan gradient
+        skips the step instead of raising (bf16's check_grad_overflow; fp16 always skips)."""
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self.comm = comm
         self.clip_norm = clip_norm
         self.scaler = scaler
+        self.skip_nonfinite = skip_nonfinite
         self.optimizer = optimizer
         self.model = model
         self.units = units
@@ -119,6 +126,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def overflow(self) -> bool:
         """DeepSpeed's flag (accelerate reads it): the last optimizer step was skipped (fp16)."""
         return self.steps > 0 and not self.step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's name for the current fp16 loss scale (1.0 without loss scaling)."""
+        return self.scaler.scale
+
+    cur_scale = loss_scale  # DeepSpeed's other spelling (its fp16 optimizers)
 
     @property
     def all_units(self) -> list[Unit]:
@@ -207,6 +221,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.scaler.update(overflow=True, step=self.steps)
             self.step_applied = False
             return False
+        if self.skip_nonfinite:
+            if self.comm.rank == 0:
+                warnings.warn(f"{self._nonfinite_message(skipped=True)}", NonFiniteGradientWarning,
+                              stacklevel=4)
+            self.step_applied = False
+            return False
         message = self._nonfinite_message()
         # Nothing was applied; clearing the gradients lets a caller skip the bad batch.
         self.policy.zero_grad()
@@ -236,10 +256,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return None
         return float(self.syncs.read(self.grad_norm, "grad norm asked for"))
 
-    def _nonfinite_message(self) -> str:
+    def _nonfinite_message(self, skipped: bool = False) -> str:
         bad = [u.describe() for u in self.units if not self.policy.unit_grad_is_finite(u)]
         where = f" on rank {self.comm.rank} in {', '.join(bad[:3])}" if bad else \
             f" on another rank than {self.comm.rank}"
+        if skipped:
+            return (f"gradient norm is inf/nan at optimizer step {self.steps}{where}; the step was "
+                    "skipped (bf16.check_grad_overflow, counted in skipped_steps)")
         return (f"gradient norm is inf/nan at optimizer step {self.steps}{where}; the step was not "
                 "applied and parameters are unchanged. Check the loss for nan/inf (bad batch, "
                 "log of 0, too high learning rate) or use fp16 loss scaling / bf16.")

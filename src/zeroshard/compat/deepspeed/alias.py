@@ -47,6 +47,7 @@ ALIASES = {
     "deepspeed.utils": "zeroshard.compat.deepspeed.utils",
     "deepspeed.utils.zero_to_fp32": "zeroshard.compat.deepspeed.utils.zero_to_fp32",
     "deepspeed.utils.z3_leaf_module": "zeroshard.compat.deepspeed.utils.z3_leaf",
+    "deepspeed.utils.tensor_fragment": "zeroshard.compat.deepspeed.utils.tensor_fragment",
     "deepspeed.checkpoint.utils": "zeroshard.checkpoint.clone",
     "deepspeed.ops.adagrad": "zeroshard.compat.deepspeed.ops.adagrad",
     "deepspeed.ops.lion": "zeroshard.compat.deepspeed.ops.lion",

@@ -1,9 +1,11 @@
 """DeepSpeed's `deepspeed.utils` names that training scripts and Hugging Face use: `zero_to_fp32`,
-`logger` (a standard `logging.Logger`), the ZeRO-3 leaf marks (`set_z3_leaf_modules`)."""
+`logger` (a standard `logging.Logger`), the ZeRO-3 leaf marks (`set_z3_leaf_modules`), a
+parameter's whole fp32 master and optimizer state (`safe_get_full_fp32_param`)."""
 
 import logging
 
-from . import zero_to_fp32
+from . import tensor_fragment, zero_to_fp32
+from .tensor_fragment import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from .z3_leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 from .zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -11,4 +13,5 @@ from .zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 logger = logging.getLogger("zeroshard")
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "get_z3_leaf_modules", "logger",
-           "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module", "zero_to_fp32"]
+           "safe_get_full_fp32_param", "safe_get_full_optimizer_state", "set_z3_leaf_modules",
+           "tensor_fragment", "unset_z3_leaf_modules", "z3_leaf_module", "zero_to_fp32"]

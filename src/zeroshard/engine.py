@@ -177,7 +177,7 @@ class Engine(nn.Module):
             raise RuntimeError(REFUSAL.format(what="engine.scale"))
         return self._user_backward.scale(loss)
 
-    def count_backward(self) -> None:
+    def _count_backward(self) -> None:
         """One backward pass began (unmanaged accumulation counts them for global_samples)."""
         with self.comm.phase("backward"):  # counted as engine.backward's are (dist/comm.py tags)
             pass

@@ -122,7 +122,7 @@ class UserBackward:
             raise RuntimeError(
                 "loss.backward() under fp16 loss scaling: the loss must be scaled first. Call "
                 "engine.backward(loss), or engine.scale(loss).backward() (as with DeepSpeed)")
-        engine.count_backward()
+        engine._count_backward()
         engine.optimizer.policy.expect_boundary(engine.is_gradient_accumulation_boundary())
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:

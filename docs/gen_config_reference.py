@@ -46,6 +46,8 @@ MEANING: dict[str, str] = {
     "zero_allow_untested_optimizer": "Allow an optimizer DeepSpeed has not tested with ZeRO.",
     "zero_force_ds_cpu_optimizer": "Require DeepSpeed's own CPU Adam when the optimizer is offloaded.",
     "seed": "Random seed the engine sets.",
+    "gradient_allreduce_op": "How gradients are combined across ranks: `\"mean\"` averages them, `\"sum\"` adds them (no division by the world size or by `gradient_predivide_factor`).",
+    "managed_gradient_accumulation": "`false`: the caller decides the accumulation boundary: `backward()` only accumulates and every `step()` reduces and applies one update.",
     # fp16
     "fp16.enabled": "Train in fp16.",
     "fp16.loss_scale": "A static loss scale; 0 selects dynamic scaling.",
@@ -112,6 +114,7 @@ MEANING: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ: reduce gradients quantized, hierarchically.",
     "zero_optimization.mics_shard_size": "MiCS: shard over groups of this many ranks and replicate across groups; -1 is off.",
     "zero_optimization.memory_efficient_linear": "Stage 3: a linear layer that saves less for backward.",
+    "zero_optimization.enable_sanity_checks": "Extra cross-rank assertions for debugging (stage 3: every rank reduces the same parameters).",
     # aio
     "aio.block_size": "Bytes per I/O request.",
     "aio.queue_depth": "Requests in flight per thread.",
@@ -198,6 +201,10 @@ REFUSED: dict[str, str] = {
     "zero_optimization.mics_shard_size":
         "refuses values below stage 3, values that do not divide the world size, and MiCS with "
         "hpZ, offload, `zeroshard.Init` or qwZ/qgZ",
+    "gradient_allreduce_op": "refuses `\"sum\"` at stage 3, as DeepSpeed does",
+    "managed_gradient_accumulation":
+        "refuses `false` together with `zero_optimization.overlap_comm: true` at stages 0-1, as "
+        "DeepSpeed does",
     "optimizer.type":
         "refuses optimizers that need whole tensors (LAMB, LARS, LBFGS, Adafactor, ...): their "
         "update would be wrong on shards",
@@ -227,8 +234,9 @@ REFUSAL_FUNCTIONS: dict[str, list[str]] = {
     "check_hpz": ["zero_optimization.zero_hpz_partition_size"],
     "check_mics": ["zero_optimization.mics_shard_size"],
     "check_elementwise": ["optimizer.type"],
+    "check_reduce_and_accumulate": ["gradient_allreduce_op", "managed_gradient_accumulation"],
 }
-REFUSAL_RAISES = 10
+REFUSAL_RAISES = 12
 
 # Types the schema spells with the value types of config/fields.py.
 def _named_types() -> dict[str, object]:

@@ -22,7 +22,8 @@ from torch import nn
 
 from .dist import Comm, default_device, init_distributed
 from .config.auto import resolve_auto
-from .config.refusals import check_elementwise, check_hpz, check_mics, require_supported
+from .config.refusals import (check_elementwise, check_hpz, check_mics, check_reduce_and_accumulate,
+                              require_supported)
 from .config.schema import ZeroConfig, load_config, read_raw
 from .core.agreement import check_ranks_agree
 from .core.desync import watch_collectives
@@ -102,6 +103,7 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
                               loader_batch=loader_batch, known=known)
     cfg = source if isinstance(source, ZeroConfig) else load_config(source, comm.world_size)
     require_supported(cfg)
+    check_reduce_and_accumulate(cfg)
     watch_collectives(comm, cfg.zero_optimization.zeroshard_desync_timeout)
     check_ranks_agree(comm, model, cfg)  # before any collective whose sizes depend on the model
     device = default_device()
@@ -210,10 +212,12 @@ def _mics_groups(model: nn.Module, comm: Comm, cfg: ZeroConfig) -> tuple[Comm, C
 
 def _reduction(cfg: ZeroConfig) -> Reduction:
     """The top-level reduction keys (`communication_data_type`, `prescale_gradients`,
-    `gradient_predivide_factor`), with DeepSpeed's meaning (core/reduction.py)."""
+    `gradient_predivide_factor`, `gradient_allreduce_op`), with DeepSpeed's meaning
+    (core/reduction.py)."""
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     return Reduction(dtype=dtypes.get(cfg.communication_data_type),
-                     prescale=cfg.prescale_gradients, predivide=cfg.gradient_predivide_factor)
+                     prescale=cfg.prescale_gradients, predivide=cfg.gradient_predivide_factor,
+                     average=cfg.gradient_allreduce_op == "mean")
 
 
 def _in_units(zopt: ZeroOptimizer) -> set[int]:

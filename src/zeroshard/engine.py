@@ -1,8 +1,10 @@
 """The training `Engine` (built by `build.py`'s `initialize()` / `prepare()`).
 
 The engine is the loop around the sharded optimizer: forward (with input casting in mixed
-precision), backward (fp16 loss scaling and division by the accumulation steps), step at the
-accumulation boundary only (then the LR scheduler, then clearing gradients), and the ledgers.
+precision), backward (fp16 loss scaling and division by the accumulation steps; a plain
+`loss.backward()` on its outputs does the same, core/user_backward.py), step at the accumulation
+boundary only (then the LR scheduler, then clearing gradients), and the ledgers. With
+`managed_gradient_accumulation: false` the caller owns the boundary: every `step()` is one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .core.layout import plain_named
 from .core.optim import ZeroOptimizer
 from .activations.checkpointing import use_engine_config
 from .monitor import MonitorMaster, TrainingWatch
+from .core.user_backward import UserBackward
 
 PLACEMENTS = ("device", "cpu", "nvme")
 
@@ -47,6 +50,14 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        #: DeepSpeed's `managed_gradient_accumulation`: False, the caller's step() is the boundary.
+        self._managed = config.managed_gradient_accumulation
+        self._in_step = False  # step() is running (the boundary of unmanaged accumulation)
+        self._backwards = 0  # unmanaged: backward passes since the last step()
+        self._inside_no_sync = False  # no_sync() or coalesce_grad_reduction() is open
+        #: DeepSpeed's flag: gradients are averaged (gradient_allreduce_op "mean"), not summed.
+        self.gradient_average = config.gradient_allreduce_op == "mean"
+        self._user_backward = UserBackward(self)
         self.training_dataloader = None
         #: DeepSpeed's throughput timer (DeepSpeed-Chat reads it): monitor/timers.py.
         self.tput_timer = ThroughputTimer(self)
@@ -107,14 +118,25 @@ class Engine(nn.Module):
         """Whether bf16 mixed precision is on."""
         return self._config.bf16.enabled
 
+    def managed_gradient_accumulation(self) -> bool:
+        """Whether the engine counts micro-steps to find the boundary (the config key)."""
+        return self._managed
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next `step()` applies the optimizer."""
+        """True when the next `step()` applies the optimizer (unmanaged: only while step() runs)."""
+        if not self._managed:
+            return self._in_step
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Force (or with None, stop forcing) the accumulation boundary."""
+        if not self._managed:
+            raise RuntimeError(
+                "set_gradient_accumulation_boundary() with managed_gradient_accumulation=false: "
+                "the caller owns the boundary already (every step() is one, as in DeepSpeed); "
+                "drop the call, or set managed_gradient_accumulation true")
         self._boundary_override = is_boundary
 
     def get_lr(self) -> list[float]:
@@ -135,17 +157,34 @@ class Engine(nn.Module):
 
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """Run the wrapped module (floating inputs are cast to the compute dtype)."""
+        """Run the wrapped module (floating inputs are cast to the compute dtype); a plain
+        `backward()` of a loss computed from the outputs works as `engine.backward(loss)`."""
         if self.compute_dtype is not None:
             args = tuple(_cast(a, self.compute_dtype) for a in args)
             kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
         with self.comm.phase("forward"), self._watch.forward(args, kwargs):
             if self.autocast_dtype is None:
-                return self.module(*args, **kwargs)
-            # The config's torch_autocast (DeepSpeed's): it also replaces an autocast the caller
-            # opened.
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-                return self.module(*args, **kwargs)
+                output = self.module(*args, **kwargs)
+            else:
+                # The config's torch_autocast (DeepSpeed's): it also replaces an autocast the
+                # caller opened.
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                    output = self.module(*args, **kwargs)
+        return output if self.inference_only else self._user_backward.wrap(output)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale, for a plain `.backward()` (DeepSpeed's name; the
+        division by the accumulation steps happens in that backward)."""
+        if self.inference_only:
+            raise RuntimeError(REFUSAL.format(what="engine.scale"))
+        return self._user_backward.scale(loss)
+
+    def _count_backward(self) -> None:
+        """One backward pass began (unmanaged accumulation counts them for global_samples)."""
+        with self.comm.phase("backward"):  # counted as engine.backward's are (dist/comm.py tags)
+            pass
+        if not self._managed:
+            self._backwards += 1
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -159,12 +198,16 @@ class Engine(nn.Module):
             raise RuntimeError(REFUSAL.format(what="engine.backward"))
         scale = self.scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         self.optimizer.policy.expect_boundary(self.is_gradient_accumulation_boundary())
-        with self.comm.phase("backward"), self._watch.backward(loss):
+        if not self._managed:
+            self._backwards += 1
+        with self.comm.phase("backward"), self._watch.backward(loss), \
+                self._user_backward.engine_backward(loss):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
-        """Apply the optimizer at the accumulation boundary; count the micro-step either way.
+        """Apply the optimizer at the accumulation boundary (every call under unmanaged
+        accumulation); count the micro-step either way.
 
         A step refused for an inf/nan gradient (NonFiniteGradientError) is counted like an fp16
         skip before the error propagates, so a caller that catches it stays on the same
@@ -172,9 +215,22 @@ class Engine(nn.Module):
         """
         if self.inference_only:
             raise RuntimeError(REFUSAL.format(what="engine.step"))
-        if not self.is_gradient_accumulation_boundary():
-            self.micro_steps += 1
-            return
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync() or "
+                               "engine.coalesce_grad_reduction(): leave the block first (as "
+                               "DeepSpeed requires); it reduces the gradients as it closes")
+        self._in_step = True  # unmanaged accumulation: step() is the boundary
+        try:
+            if not self.is_gradient_accumulation_boundary():
+                self.micro_steps += 1
+                return
+            self._optimizer_step()
+        finally:
+            self._in_step = False
+        self._watch.after_step()  # steps_per_print line, monitor events, flops profile
+
+    def _optimizer_step(self) -> None:
+        """The boundary's optimizer step, LR scheduler, gradient clearing and counters."""
         applied = False
         try:
             with self.comm.phase("optimizer step"), self._watch.step():
@@ -187,9 +243,13 @@ class Engine(nn.Module):
                 self.skipped_steps += 1
             self.optimizer.zero_grad()
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            if self._managed:
+                self.global_samples += self.train_batch_size()
+            else:  # the micro-batches actually accumulated, as DeepSpeed counts them
+                per_backward = self.train_batch_size() // self.gradient_accumulation_steps()
+                self.global_samples += per_backward * self._backwards
+                self._backwards = 0
             self.micro_steps += 1
-        self._watch.after_step()  # steps_per_print line, monitor events, flops profile
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients."""
@@ -199,13 +259,49 @@ class Engine(nn.Module):
     def no_sync(self):
         """Accumulate without communicating (DDP's name). Below stage 2 gradients are only
         reduced at the accumulation boundary anyway, so this changes nothing; at stages 2-3 they
-        are reduce-scattered in every backward (that is what shards them), so it is refused."""
+        are reduce-scattered in every backward (that is what shards them), so it is refused
+        (`coalesce_grad_reduction` defers them instead). `step()` inside is refused."""
         if self.zero_optimization_stage() >= 2:
             raise RuntimeError(
                 f"engine.no_sync() is not possible at ZeRO stage {self.zero_optimization_stage()}: "
                 "gradients are reduce-scattered during every backward, which is what keeps only "
-                "1/N of them. Use gradient_accumulation_steps instead, or stage 0/1")
-        yield
+                "1/N of them. Use gradient_accumulation_steps or coalesce_grad_reduction() "
+                "instead, or stage 0/1")
+        if self._inside_no_sync:
+            raise RuntimeError("engine.no_sync() inside no_sync() or coalesce_grad_reduction(): "
+                               "these blocks do not nest (as in DeepSpeed)")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """One gradient reduction for all the backwards inside (DeepSpeed 0.19's): at stages 2-3
+        they keep full local gradients and the block's exit reduce-scatters each unit once; at
+        stage 1 gradients are reduced at the step anyway. Refused at stage 0, with
+        managed_gradient_accumulation=false, nested in no_sync(), and `step()` inside."""
+        if not self._managed:
+            raise RuntimeError("coalesce_grad_reduction() with managed_gradient_accumulation="
+                               "false: the caller's step() already reduces once per step (as "
+                               "in DeepSpeed); drop the block")
+        stage = self.zero_optimization_stage()
+        if stage == 0:
+            raise NotImplementedError("coalesce_grad_reduction() needs ZeRO stage 1-3, the "
+                                      "stage is 0 (as in DeepSpeed); use no_sync() at stage 0")
+        if self._inside_no_sync:
+            raise RuntimeError("coalesce_grad_reduction() inside no_sync() or another "
+                               "coalesce_grad_reduction(): these blocks do not nest")
+        policy = self.optimizer.policy
+        self._inside_no_sync = True
+        policy.defer_reduction()
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+            with self.comm.phase("backward"):
+                policy.flush_reduction()
 
     # -- ledgers -----------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:

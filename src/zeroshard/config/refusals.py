@@ -1,5 +1,6 @@
 """Every setting zeroshard refuses, in one place: a valid config the engine cannot run yet
-(`require_supported`, NotSupportedYetError), ZeRO++ / MiCS combinations that cannot run at this
+(`require_supported`, NotSupportedYetError), combinations DeepSpeed refuses too
+(`check_reduce_and_accumulate`), ZeRO++ / MiCS combinations that cannot run at this
 world size (`check_hpz`, `check_mics`), and optimizers that cannot step on flat shards
 (`check_elementwise`). Each error names the key (or class) and says what to change; edit
 refusals only here."""
@@ -10,7 +11,7 @@ import warnings
 
 import torch
 
-from .schema import NotSupportedYetError, ZeroConfig
+from .schema import ConfigError, NotSupportedYetError, ZeroConfig
 
 #: The config keys, named in errors.
 HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
@@ -46,6 +47,21 @@ def require_supported(cfg: ZeroConfig) -> None:
                 "not supported yet: bf16.bf16_master_weights_and_grads with "
                 "zero_optimization.offload_optimizer.device='nvme' (the swap files hold fp32); "
                 "use offload_optimizer.device 'cpu' or 'none', or drop the bf16 master keys")
+
+
+def check_reduce_and_accumulate(cfg: ZeroConfig) -> None:
+    """Refuse what DeepSpeed 0.19.8 refuses of `gradient_allreduce_op` and
+    `managed_gradient_accumulation` (its config and engine checks), naming the keys."""
+    stage = cfg.zero_optimization.stage
+    if cfg.gradient_allreduce_op == "sum" and stage == 3:
+        raise ConfigError(
+            "gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in DeepSpeed): "
+            "use 'mean' (the default), or stage 0-2")
+    if not cfg.managed_gradient_accumulation and stage < 2 and cfg.zero_optimization.overlap_comm:
+        raise ConfigError(
+            f"managed_gradient_accumulation=false with zero_optimization.overlap_comm=true at "
+            f"stage {stage}: DeepSpeed refuses it (stages 0-1 reduce in step(), there is nothing to "
+            "overlap). Drop overlap_comm, or keep managed_gradient_accumulation true")
 
 
 def check_hpz(size: int, stage: int, world_size: int, offload_param: str = "none") -> None:

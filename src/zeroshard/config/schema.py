@@ -191,6 +191,7 @@ class ZeroOptimizationConfig(_Block):
     zero_quantized_gradients: Bool = False
     mics_shard_size: _int(-1) = -1
     memory_efficient_linear: Bool = True
+    enable_sanity_checks: Bool = False
     zeroshard_unit_classes: Annotated[list[str], BeforeValidator(_check_names)] | None = None
     """zeroshard only: module class names (e.g. ["GPT2Block"]) whose instances each become one
     stage-3 unit, gathered and released together; None picks every repeating module class."""
@@ -242,6 +243,10 @@ class ZeroConfig(_Block):
     prescale_gradients: Bool = False
     gradient_predivide_factor: PosFloat = 1.0
     communication_data_type: Annotated[str, _DTYPE] | None = None
+    gradient_allreduce_op: Annotated[str, _choice("mean", "sum")] = "mean"
+    managed_gradient_accumulation: Bool = True
+    """With false, set_gradient_accumulation_boundary() and coalesce_grad_reduction() are refused,
+    as in DeepSpeed (the caller's step() is the boundary)."""
     zero_allow_untested_optimizer: Bool = False
     zero_force_ds_cpu_optimizer: Bool = True
     seed: AnyInt | None = None

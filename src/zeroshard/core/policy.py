@@ -121,6 +121,18 @@ class StagePolicy:
         """Told before each engine backward whether it ends an accumulation window (stage 0
         communicates in that backward only; the other stages need not know)."""
 
+    #: Inside the engine's `coalesce_grad_reduction()`: gradients stay in full local buffers.
+    deferring = False
+
+    def defer_reduction(self) -> None:
+        """Keep the gradients of the coming backwards local until `flush_reduction` (stages 2-3
+        stop reducing in each backward; below, nothing is reduced before the boundary anyway)."""
+        self.deferring = True
+
+    def flush_reduction(self) -> None:
+        """End `defer_reduction`: reduce, once, what the backwards since then accumulated."""
+        self.deferring = False
+
     # -- the end-of-backward callback (stages that reduce during backward) -----------------------
     armed = True  # whether this backward queues `_end_of_backward` (stage 0: boundary only)
     callback_queued = False

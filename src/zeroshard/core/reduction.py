@@ -11,6 +11,8 @@ stage_1_and_2.gradient_reduction_w_predivide, stage3.__avg_scatter_grads):
 - otherwise (post-scaling, the default) with `gradient_predivide_factor` f: multiply by 1/f before
   the sum and by f/N after it (nothing after when f == N). f = 1 is a plain sum then divide by N;
   with fp16 sums, f ~ sqrt(N) keeps both halves of the division in range at large N.
+- `gradient_allreduce_op` "sum": a plain sum, no scaling before or after (DeepSpeed then skips
+  both keys above); "mean" (the default) averages as described.
 
 The sum then lands in a gradient shard of the accumulation dtype (fp32 unless the masters are
 bf16), where micro-steps accumulate.
@@ -35,6 +37,8 @@ class Reduction:
     """`prescale_gradients`: divide by N before the sum instead of after it."""
     predivide: float = 1.0
     """`gradient_predivide_factor`: with post-scaling, divide by it before the sum."""
+    average: bool = True
+    """`gradient_allreduce_op` "mean"; False ("sum"): the sum is kept, nothing is divided."""
 
     def comm_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of `grad_dtype` are summed in."""
@@ -44,13 +48,15 @@ class Reduction:
 
     def pre_factor(self, world_size: int) -> float:
         """Multiplier applied to the local gradient before the sum (1.0: none)."""
+        if not self.average:
+            return 1.0
         if self.prescale:
             return 1.0 / world_size if world_size > 1 else 1.0
         return 1.0 / self.predivide if self.predivide != 1.0 else 1.0
 
     def post_divisor(self, world_size: int) -> float:
-        """Divisor applied to the sum (1.0: none): N / f, or 1 under prescaling."""
-        if self.prescale:
+        """Divisor applied to the sum (1.0: none): N / f, or 1 under prescaling or summing."""
+        if self.prescale or not self.average:
             return 1.0
         return world_size / self.predivide
 

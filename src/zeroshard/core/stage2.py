@@ -148,8 +148,10 @@ class Stage2(StagePolicy):
         self._ready(unit)
 
     def _ready(self, unit: Unit) -> None:
-        """A gradient of `unit` arrived: launch whatever the fixed layout order allows."""
-        self._launch(force=False)
+        """A gradient of `unit` arrived: launch whatever the fixed layout order allows (nothing
+        while deferring: it accumulates in the unit's buffer until `flush_reduction`)."""
+        if not self.deferring:
+            self._launch(force=False)
 
     def _buffer(self, unit: Unit) -> torch.Tensor:
         buffer = self.buffers.get(unit.index)
@@ -278,8 +280,19 @@ class Stage2(StagePolicy):
         self.reduce_done = None
 
     def _end_of_backward(self) -> None:
+        if self.deferring:  # the unit buffers keep this backward's gradients for the flush
+            self._clear_backward()
+            return
         self._launch(force=True)
         self._finish_backward()
+
+    def flush_reduction(self) -> None:
+        """Reduce-scatter every unit's buffer once, in layout order (zeros for units no backward
+        reached), as at the end of one backward: one collective per unit for all the backwards."""
+        super().flush_reduction()
+        if self.keeps_gradients:
+            self._launch(force=True)
+            self._finish_backward()
 
     def _finish_backward(self) -> None:
         """Land every reduce-scatter, reduce gradients that came late, reset for the next backward.

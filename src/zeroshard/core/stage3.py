@@ -353,9 +353,13 @@ class Stage3(Stage2):
             self.reshard(index)
 
     def _ready(self, unit: Unit) -> None:
-        """Reduce-scatter a unit as soon as all its gradients are in, then free it."""
+        """Reduce-scatter a unit as soon as all its gradients are in, then free it (while
+        deferring, only free it: its gradient waits in its buffer for `flush_reduction`)."""
         if self.missing[unit.index] <= 0 and unit.index not in self.launched:
-            self._launch_unit(unit)
+            if self.deferring:
+                self.reshard(unit.index)
+            else:
+                self._launch_unit(unit)
 
     def _launch_unit(self, unit: Unit) -> None:
         super()._launch_unit(unit)
@@ -366,6 +370,11 @@ class Stage3(Stage2):
         return self.reducer.start(buffer, unit)
 
     def _end_of_backward(self) -> None:
+        if self.deferring:  # gradients stay in the unit buffers for the flush
+            self._clear_backward()
+            self.reshard_all()
+            self.schedule.finish_backward()
+            return
         for unit in self.units:
             if unit.index not in self.launched:
                 self._launch_unit(unit)  # unused parameters: zeros where no gradient came

@@ -64,11 +64,24 @@ class WallClock:
 class ThroughputTimer:
     """DeepSpeed's `engine.tput_timer`, over the engine's counters."""
 
+    #: DeepSpeed's: global steps before its timer starts measuring.
+    start_step = 2
+
     def __init__(self, engine):
         self._engine = engine
         self.epoch_count = 0
         self._started = time.perf_counter()
         self._first_samples = engine.global_samples
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per optimizer step over all ranks (DeepSpeed gives it `train_batch_size()`)."""
+        return self._engine.train_batch_size()
+
+    @property
+    def steps_per_output(self) -> int | None:
+        """The config's steps_per_print (None: never)."""
+        return self._engine._config.steps_per_print
 
     @property
     def global_step_count(self) -> int:

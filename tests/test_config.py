@@ -413,6 +413,18 @@ def test_legacy_cpu_offload_maps_and_warns():
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
 
 
+def test_legacy_cpu_offload_param_maps_and_warns():
+    """DeepSpeed's deprecated cpu_offload_param (singular) means offload_param.device cpu."""
+    with pytest.warns(ConfigWarning, match="cpu_offload_param"):
+        cfg = load_config({"train_batch_size": 2,
+                           "zero_optimization": {"stage": 3, "cpu_offload_param": True}})
+    assert cfg.zero_optimization.offload_param.device == "cpu"
+    with pytest.raises(ConfigError, match="contradicts offload_param.device='nvme'"):
+        load_config({"train_batch_size": 2, "zero_optimization": {
+            "stage": 3, "cpu_offload_param": True,
+            "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})
+
+
 def test_unit_classes():
     cfg = load_config({"train_batch_size": 2, "zero_optimization": {
         "stage": 3, "zeroshard_unit_classes": ["GPT2Block"]}})

@@ -21,7 +21,7 @@ INERT_KEYS: dict[str, dict[str, str]] = {
     "bf16": {"immediate_grad_update": _NO_EFFECT},
     "optimizer": {"legacy_fusion": _NO_EFFECT},
     "zero_optimization": {k: _NO_EFFECT for k in (
-        "legacy_stage1", "cpu_offload_params", "cpu_offload_use_pin_memory",
+        "legacy_stage1", "cpu_offload_use_pin_memory",
         "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce",
         "zeropp_loco_param", "log_trace_cache_warnings", "pipeline_loading_checkpoint",
         "override_module_apply")},
@@ -55,6 +55,9 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "cpu_offload", lambda v, c: v is not None,
      "{full} is a deprecated DeepSpeed key (true means zero_optimization.offload_optimizer.device="
      "'cpu'); write offload_optimizer instead"),
+    ("zero_optimization", "cpu_offload_param", lambda v, c: v is not None,
+     "{full} is a deprecated DeepSpeed key (true means zero_optimization.offload_param.device="
+     "'cpu'); write offload_param instead"),
     ("zero_optimization", "round_robin_gradients", lambda v, c: v, _NO_EFFECT),
     ("zero_optimization", "elastic_checkpoint", lambda v, c: v,
      "{full} has no effect in zeroshard (checkpoints always reshard on load); ignored"),

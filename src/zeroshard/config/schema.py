@@ -178,6 +178,8 @@ class ZeroOptimizationConfig(_Block):
     ignore_unused_parameters: Bool = True
     cpu_offload: Bool | None = None
     """Legacy DeepSpeed switch; true means offload_optimizer.device='cpu'."""
+    cpu_offload_param: Bool | None = None
+    """Legacy DeepSpeed switch; true means offload_param.device='cpu'."""
     stage3_max_live_parameters: NonNegInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000
@@ -208,6 +210,12 @@ class ZeroOptimizationConfig(_Block):
             elif self.offload_optimizer.device != "cpu":
                 raise ValueError("cpu_offload=true contradicts offload_optimizer.device="
                                  f"'{self.offload_optimizer.device}'; drop cpu_offload")
+        if self.cpu_offload_param:
+            if self.offload_param is None:
+                self.offload_param = OffloadParamConfig(device="cpu")
+            elif self.offload_param.device != "cpu":
+                raise ValueError("cpu_offload_param=true contradicts offload_param.device="
+                                 f"'{self.offload_param.device}'; drop cpu_offload_param")
         return self
 
 

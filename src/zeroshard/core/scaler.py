@@ -2,9 +2,11 @@
 
 Dynamic: start at 2**initial_scale_power. An overflowing step is skipped; the scale is halved only
 once `hysteresis` overflows have been seen since the last reset (it never goes below
-min_loss_scale; overflowing again at the minimum is an error). After `loss_scale_window` steps in a
-row without overflow the scale doubles. With `consecutive_hysteresis` every clean step restores
-the hysteresis budget; otherwise only a doubling does.
+min_loss_scale; overflowing again at the minimum is an error). A clean step doubles the scale when
+a positive multiple of `loss_scale_window` clean steps came before it since the last overflow (so
+the first doubling is on clean step window + 1, as in DeepSpeed, checked against DeepSpeed 0.19.8
+by bench/conformance). With `consecutive_hysteresis` every clean step restores the hysteresis
+budget; otherwise only a doubling does.
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ class LossScaler:
                     "{\"enabled\": true}); fp16.min_loss_scale sets the floor.")
             self.scale = max(self.scale / 2, self.min_scale)
             return
-        self.clean_steps += 1
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
-        if self.clean_steps % self.window == 0:
+        if self.clean_steps and self.clean_steps % self.window == 0:
             self.hysteresis_left = self.hysteresis
             self.scale *= 2
+        self.clean_steps += 1
 
     def state_dict(self) -> dict:
         """Everything needed to resume the scale schedule."""

@@ -35,7 +35,12 @@ CASES = [
     dict(stage=2, gas=1, clip=0.3, method="standard", bucket=100),   # clipping active
     dict(stage=2, gas=1, clip=0.0, method="gram", bucket=1200),
     dict(stage=3, gas=1, clip=0.3, method="gram", bucket=100),
+    # Optimizer offload: the momentum in host memory, Newton-Schulz on the compute device.
+    dict(stage=2, gas=1, clip=0.3, method="gram", bucket=100, offload="cpu"),
+    dict(stage=3, gas=2, clip=0.0, method="gram", bucket=100, offload="nvme"),
 ]
+MATRICES = {"block1.1.weight": 507, "block1.3.weight": 507, "block2.1.weight": 338,
+            "block2.3.weight": 338}
 
 
 def case_id(case: dict) -> str:
@@ -56,9 +61,10 @@ def _newton_schulz(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(clip: float) -> dict[str, torch.Tensor]:
-    """Muon + AdamW (betas 0.9/0.95, eps 1e-10) on the whole model and the whole global batch."""
-    batches, hp = make_batches(STEPS, GLOBAL), HP
+def reference(clip: float, skip: int = 0) -> dict[str, torch.Tensor]:
+    """Muon + AdamW (betas 0.9/0.95, eps 1e-10) on the whole model and the whole global batch
+    (without the first `skip` batches)."""
+    batches, hp = make_batches(STEPS, GLOBAL)[skip:], HP
     model = make_model()
     params = dict(model.named_parameters())
     muon = {n for n, p in params.items() if p.dim() >= 2 and "embed" not in n and "lm_head" not in n}
@@ -105,11 +111,13 @@ def _rel_error(model, ref) -> dict[str, float]:
 
 
 # -- the sharded runs ------------------------------------------------------------------------------
-def _config(stage, world, gas=1, clip=0.0, method="gram", bucket=100):
+def _config(stage, world, gas=1, clip=0.0, method="gram", bucket=100, offload=None, root=None):
     micro = GLOBAL // world // gas
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
+    if offload is not None:
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": os.path.join(root, "swap")}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
             "gradient_clipping": clip, "zero_optimization": zero,
             "optimizer": {"type": "Muon", "params": {**HP, "ns_method": method,
@@ -143,7 +151,7 @@ def _ledgers(engine) -> dict:
                      for t in st.values() if torch.is_tensor(t))
     return {"momentum": sorted(muon.matrices[i].name for i in muon.momentum),
             "momentum_bytes": sum(t.numel() * t.element_size() for t in muon.momentum.values()),
-            "optimizer_bytes": engine.memory_report()["optimizer"]["device"],
+            "optimizer_bytes": engine.memory_report()["optimizer"],
             "adam_state_bytes": adam_state,
             "all_to_all": engine.comm_report()["all_to_all"],
             "predicted_all_to_all": 4 * sent,
@@ -151,11 +159,11 @@ def _ledgers(engine) -> dict:
             "groups": [(g["name"], g["use_muon"], g["lr"]) for g in opt.param_groups]}
 
 
-def _run_case(rank, world, case):
+def _run_case(rank, world, case, root):
     batches = make_batches(STEPS, GLOBAL)
     model = make_model()
-    engine, _, _, _ = zeroshard.initialize(model=model, config=_config(
-        case["stage"], world, case["gas"], case["clip"], case["method"], case["bucket"]))
+    engine, _, _, _ = zeroshard.initialize(model=model, config=_config(world=world, root=root,
+                                                                        **case))
     engine.comm.reset()
     _train(engine, batches, rank, world)
     out = {"params": _full_params(engine, model), **_ledgers(engine)}
@@ -169,6 +177,7 @@ def _checkpoint_save(rank, world, root):
     batches = make_batches(STEPS, GLOBAL)
     model = make_model()
     engine, _, _, _ = zeroshard.initialize(model=model, config=_config(2, world, clip=0.3))
+    assert engine.optimizer.muon.entries(lambda *a: a) == {}  # nothing to save before a step
     _train(engine, batches[:2], rank, world)
     engine.save_checkpoint(root, tag="muon")
     _train(engine, batches[2:], rank, world)
@@ -196,9 +205,27 @@ def _checkpoint_reshard(rank, world, root, stage):
     return params, owned
 
 
+def _fp16(rank, world):
+    """fp16 from a loss scale so large that the first steps overflow: they are skipped and leave
+    the momentum as it was (none yet); the steps after them equal the reference from there."""
+    model = make_model()
+    config = _config(2, world, clip=0.3)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 18, "hysteresis": 1}
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+    batches = make_batches(STEPS, GLOBAL)
+    _train(engine, batches[:1], rank, world)
+    first = (engine.skipped_steps, engine.optimizer.muon.started, len(engine.optimizer.muon.momentum))
+    _train(engine, batches[1:], rank, world)
+    out = {"first": first, "skipped": engine.skipped_steps,
+           "params": {n: p.float() for n, p in _full_params(engine, model).items()}}
+    engine.destroy()
+    return out
+
+
 def _world(rank, world, root):
-    results = {case_id(c): _run_case(rank, world, c) for c in CASES}
+    results = {case_id(c): _run_case(rank, world, c, root) for c in CASES}
     if world == 2:
+        results["fp16"] = _fp16(rank, world)
         results["ckpt"] = _checkpoint_save(rank, world, root)
     else:
         results["reshard"] = {s: _checkpoint_reshard(rank, world, root, s) for s in (1, 3)}
@@ -259,11 +286,14 @@ def test_each_matrix_momentum_lives_on_exactly_one_rank(worlds, world):
         assert sorted(held) == names, (case, held)
         for rank, r in enumerate(results):
             assert r["momentum"] == sorted(n for n, o in r["owners"].items() if o == rank)
-            # The memory ledger: Adam's shard state plus the whole momentum of owned matrices.
-            assert r["momentum_bytes"] == 4 * sum(
-                {"block1.1.weight": 507, "block1.3.weight": 507, "block2.1.weight": 338,
-                 "block2.3.weight": 338}[n] for n in r["momentum"])
-            assert r["optimizer_bytes"] == r["adam_state_bytes"] + r["momentum_bytes"]
+            assert r["momentum_bytes"] == 4 * sum(MATRICES[n] for n in r["momentum"])
+            # The memory ledger: Adam's shard state plus the whole momentum of owned matrices
+            # (under offload in CPU memory, beside the masters and Adam's state).
+            if case.get("offload") is None:
+                assert r["optimizer_bytes"]["device"] == r["adam_state_bytes"] + r["momentum_bytes"]
+            else:
+                assert r["optimizer_bytes"]["device"] == 0
+                assert r["optimizer_bytes"]["cpu"] >= r["momentum_bytes"]
         loads = [r["momentum_bytes"] for r in results]
         assert max(loads) - min(loads) <= 4 * 507, loads  # balanced by numel
 
@@ -283,6 +313,17 @@ def test_comm_ledger_counts_the_two_all_to_alls(worlds, world):
 def test_param_groups_follow_deepspeeds_split(world2):
     groups = world2[0][case_id(CASES[1])]["groups"]
     assert groups == [("muon-params", True, 0.02), ("adam-params", False, 0.01)]
+
+
+def test_fp16_overflow_skips_the_step_and_leaves_the_momentum(world2):
+    for r in world2:
+        skipped, started, held = r["fp16"]["first"]
+        assert (skipped, started, held) == (1, False, 0)
+    skipped = world2[0]["fp16"]["skipped"]
+    assert 1 <= skipped < STEPS
+    ref = reference(0.3, skip=skipped)
+    bad = {n: e for n, e in _rel_error_of(world2[0]["fp16"]["params"], ref).items() if e > 1e-2}
+    assert not bad, bad
 
 
 def test_checkpoint_resumes_exactly(world2):

@@ -164,7 +164,7 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
     muon = None
     if getattr(torch_opt, "_zeroshard_muon", False):  # matrices dealt out to owner ranks
         muon = MuonExchange(units, opt_comm, torch_opt, sharded=policy.shards_optimizer,
-                            momentum_dtype=_master_dtype(cfg))
+                            momentum_dtype=_master_dtype(cfg), on_host=placement.name != "device")
     return ZeroOptimizer(model, torch_opt, opt_comm, units, policy, placement,
                          clip_norm=cfg.gradient_clipping, scaler=scaler, syncs=syncs,
                          world_comm=comm,  # GatheredParameters' modifier_rank numbers the world

@@ -5,7 +5,8 @@ each unit, so a matrix's averaged gradient is cut in pieces over consecutive ran
 gathering every matrix on every rank, the matrices are dealt out: each Muon matrix gets one owner,
 chosen at construction on every rank alike (largest first to the least loaded rank, balanced by
 numel; ties to the rank that already holds most of it, then the lowest), and only the owner keeps
-that matrix's momentum, whole (fp32, on the compute device). Adam parameters are not involved.
+that matrix's momentum, whole (fp32, on the compute device; in host memory under optimizer
+offload, copied to the device for its step and back). Adam parameters are not involved.
 
 Communication plan, per optimizer step, after the stage averaged the gradients (the stage's own
 plan is unchanged) and before the global gradient norm:
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dist import Comm
+from .hostmem import host_copy, host_zeros, is_host, to_device
 from .layout import Slot, Unit
 from .muon import muon_update, ns_dtype
 
@@ -79,10 +81,13 @@ class MuonExchange:
     """Replaces the Muon units' gradient shards by their orthogonalised updates (see above)."""
 
     def __init__(self, units: list[Unit], comm: Comm, optimizer, *, sharded: bool,
-                 momentum_dtype: torch.dtype = torch.float32):
+                 momentum_dtype: torch.dtype = torch.float32, on_host: bool = False):
         """Plan the exchange for the units of `optimizer`'s Muon groups; `sharded`: rank r holds
-        only its shard of each unit (stages 1-3), else every unit whole (stage 0)."""
+        only its shard of each unit (stages 1-3), else every unit whole (stage 0); `on_host`:
+        keep the momentum in host memory (optimizer offload; it visits the device to step)."""
         self.comm = comm
+        #: Where the momentum lives, for the memory ledger: "device", or "cpu" under offload.
+        self.place = "cpu" if on_host else "device"
         self.rank, self.world = comm.rank, comm.world_size
         self.optimizer = optimizer
         self.sharded = sharded and comm.world_size > 1
@@ -142,8 +147,11 @@ class MuonExchange:
         if not self.matrices:
             return grads
         grads = list(grads)
+        device = self._device()
+        for u in self.units:  # offloaded stages 2-3 hold gradient shards in host memory
+            if is_host(grads[self.position[u]]):
+                grads[self.position[u]] = to_device(grads[self.position[u]], device)
         dtype = grads[self.position[self.units[0]]].dtype
-        device = grads[self.position[self.units[0]]].device
 
         def piece(unit: Unit, s: int, e: int) -> torch.Tensor:
             base = self._base(unit)
@@ -208,9 +216,12 @@ class MuonExchange:
         momentum = self.momentum.get(m.index)
         if momentum is None:
             momentum = torch.zeros(m.slot.shape, dtype=self.momentum_dtype, device=grad.device)
+        elif is_host(momentum):
+            momentum = to_device(momentum, grad.device)
         method = group["ns_method"]
-        return muon_update(grad, momentum, group["momentum"], method,
-                           ns_dtype(method, grad.device, self.optimizer.ns_dtype))
+        update, momentum = muon_update(grad, momentum, group["momentum"], method,
+                                       ns_dtype(method, grad.device, self.optimizer.ns_dtype))
+        return update, host_copy(momentum) if self.place == "cpu" else momentum
 
     def commit(self) -> None:
         """The step was applied: the staged momentum becomes the momentum."""
@@ -237,7 +248,7 @@ class MuonExchange:
             buf = self.momentum.get(m.index) if m.owner == self.rank else None
             pieces = [(0, buf.reshape(-1))] if buf is not None else []
             out[f"optim.{MOMENTUM_KEY}.{m.name}"] = fragments(
-                m.slot.numel, pieces, self.momentum_dtype, self._device())
+                m.slot.numel, pieces, self.momentum_dtype, self._where())
         return out
 
     def targets(self, fragments) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor]]:
@@ -247,11 +258,12 @@ class MuonExchange:
         for m in self.matrices:
             pieces = []
             if self.holds(m):
-                buffers[m.index] = torch.zeros(m.slot.shape, dtype=self.momentum_dtype,
-                                               device=self._device())
+                buffers[m.index] = host_zeros(m.slot.shape, self.momentum_dtype) \
+                    if self.place == "cpu" else torch.zeros(
+                        m.slot.shape, dtype=self.momentum_dtype, device=self._device())
                 pieces = [(0, buffers[m.index].reshape(-1))]
             entries[f"optim.{MOMENTUM_KEY}.{m.name}"] = fragments(
-                m.slot.numel, pieces, self.momentum_dtype, self._device())
+                m.slot.numel, pieces, self.momentum_dtype, self._where())
         return entries, buffers
 
     def install(self, buffers: dict[int, torch.Tensor] | None) -> None:
@@ -261,4 +273,9 @@ class MuonExchange:
         self.started = buffers is not None and bool(self.matrices)
 
     def _device(self) -> torch.device:
+        """The compute device: where the exchange and Newton-Schulz run."""
         return self.matrices[0].unit.compute_device if self.matrices else torch.device("cpu")
+
+    def _where(self) -> torch.device:
+        """Where the momentum lives."""
+        return torch.device("cpu") if self.place == "cpu" else self._device()

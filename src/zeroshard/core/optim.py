@@ -264,7 +264,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         then parameters (an fp32 master that is the owned parameter slice counts as a parameter)."""
         entries = [("optimizer", where, tensors) for where, tensors in self.placement.ledger().items()]
         if self.muon is not None:
-            entries.append(("optimizer", "device", self.muon.tensors()))
+            entries.append(("optimizer", self.muon.place, self.muon.tensors()))
         entries += [("buffers", where, tensors)
                     for where, tensors in self.placement.buffer_ledger().items()]
         entries.append(("buffers", "cpu", self.policy.offload_buffer_tensors()))

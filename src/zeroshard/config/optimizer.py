@@ -4,8 +4,8 @@
 optimizer, which reports a bad value from deep inside (`betas: [0.9]` as an IndexError, `lr: "1e-3"`
 as a failed `<=`). Here every key of the types `build_optimizer` makes (Adam, AdamW, SGD,
 Adagrad, Muon) is checked when the config is read, and each problem names
-`optimizer.params.<key>` and the bad value. Types zeroshard cannot build (Lamb, OneBitAdam, ...) are refused when the
-optimizer is built, so their parameters are not checked here.
+`optimizer.params.<key>` and the bad value. Types zeroshard cannot build (Lamb, OneBitAdam, ...)
+are refused when the optimizer is built, so their parameters are not checked here.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ What it holds (the format of zeroshard's checkpoints, unchanged since format 1):
 of a unit as a 1-D tensor of its flattened values, `model.<name>` (the fp32 master; stage 3's
 frozen units: the compute-dtype parameter), and each optimizer state tensor of the same shape as
 `optim.<key>.<name>` (Muon's momentum too, as one fragment covering the whole parameter, written
-by the matrix's owner: `core/muon_exchange.py`). Rank r holds and saves the part of each parameter that falls in its shard
-`[r*S, (r+1)*S)` of the parameter's unit, at every stage (stage 0 steps the whole unit and saves
-its shard's part of it; under MiCS the ranks of the first shard group save, the replicas hold the
-same values). DCP records each fragment's offset, so a loader with other units, another world size
-or another stage reads exactly the ranges it owns.
+by the matrix's owner: `core/muon_exchange.py`). Rank r holds and saves the part of each
+parameter that falls in its shard `[r*S, (r+1)*S)` of the parameter's unit, at every stage
+(stage 0 steps the whole unit and saves its shard's part of it; under MiCS the ranks of the first
+shard group save, the replicas hold the same values). DCP records each fragment's offset, so a
+loader with other units, another world size or another stage reads exactly the ranges it owns.
 
 The fragments reach DCP as `Fragments`: a 1-D tensor of the parameter's size that holds no
 storage of its own, only this rank's `(offset, tensor)` pieces, and implements DCP's chunk

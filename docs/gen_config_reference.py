@@ -67,8 +67,8 @@ MEANING: dict[str, str] = {
     "torch_autocast.dtype": "The autocast dtype.",
     "torch_autocast.lower_precision_safe_modules": "Modules whose gradients may be communicated in the autocast dtype.",
     # optimizer / scheduler
-    "optimizer.type": "Optimizer name (`Adam`, `AdamW`, `SGD`, `Adagrad`, ...), matched case-insensitively.",
-    "optimizer.params": "Keyword arguments of the optimizer (`lr`, `betas`, `eps`, `weight_decay`, ...).",
+    "optimizer.type": "Optimizer name (`Adam`, `AdamW`, `SGD`, `Adagrad`, `Muon`, ...), matched case-insensitively.",
+    "optimizer.params": "Keyword arguments of the optimizer (`lr`, `betas`, `eps`, `weight_decay`, ...; Muon: `muon_lr`, `adam_lr`, `momentum`, `ns_method`, ...).",
     "scheduler.type": "Schedule name: `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest`.",
     "scheduler.params": "Keyword arguments of the schedule.",
     # zero_optimization
@@ -81,6 +81,7 @@ MEANING: dict[str, str] = {
     "zero_optimization.overlap_comm": "Overlap gradient reduction with backward.",
     "zero_optimization.load_from_fp32_weights": "Restore master weights from the checkpoint's fp32 copy rather than the model's weights.",
     "zero_optimization.elastic_checkpoint": "Allow a checkpoint to be loaded at another world size (stages 1-2).",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "Muon with NVMe optimizer offload: keep the Muon momentum in memory instead of swapping it with the other state.",
     "zero_optimization.offload_optimizer": "Keep master weights and optimizer state in CPU memory or NVMe and step there (ZeRO-Offload).",
     "zero_optimization.offload_optimizer.device": "`none`, `cpu` or `nvme`.",
     "zero_optimization.offload_optimizer.nvme_path": "Directory of the swap files when the device is `nvme`.",
@@ -207,7 +208,9 @@ REFUSED: dict[str, str] = {
         "DeepSpeed does",
     "optimizer.type":
         "refuses optimizers that need whole tensors (LAMB, LARS, LBFGS, Adafactor, ...): their "
-        "update would be wrong on shards",
+        "update would be wrong on shards. `Muon` is built: each matrix is orthogonalised whole "
+        "on one owner rank (see the Muon row of the migration guide); a `torch.optim.Muon` "
+        "instance is refused",
 }
 
 # Keys stored without effect and without a warning (DeepSpeed tuning knobs whose job zeroshard
@@ -219,6 +222,7 @@ ACCEPTED: dict[str, str] = {
     "zero_optimization.ignore_unused_parameters": "accepted, no effect: parameters without a gradient are always allowed",
     "zero_optimization.sub_group_size": "accepted, no effect at stage 3: the optimizer steps unit by unit",
     "zero_optimization.offload_optimizer.fast_init": "accepted, no effect",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "accepted, no effect: Muon's momentum is never swapped (CPU memory under optimizer offload, NVMe included)",
     "zero_optimization.offload_param.buffer_size": "accepted, no effect: staging buffers are sized to the largest unit",
     "zero_optimization.offload_param.max_in_cpu": "accepted, no effect",
     "aio.single_submit": "accepted, no effect",
@@ -236,7 +240,7 @@ REFUSAL_FUNCTIONS: dict[str, list[str]] = {
     "check_elementwise": ["optimizer.type"],
     "check_reduce_and_accumulate": ["gradient_allreduce_op", "managed_gradient_accumulation"],
 }
-REFUSAL_RAISES = 12
+REFUSAL_RAISES = 13
 
 # Types the schema spells with the value types of config/fields.py.
 def _named_types() -> dict[str, object]:

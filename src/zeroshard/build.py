@@ -32,6 +32,7 @@ from .core.layout import INIT_ATTR
 from .core.hostsync import HostSyncs
 from .core.mics import mics_comms, sync_replicas
 from .core.no_optimizer import NoPlacement, is_placeholder, make_no_placement, placeholder_optimizer
+from .core.muon_exchange import MuonExchange
 from .core.optim import ZeroOptimizer, build_optimizer
 from .core.reduction import Reduction, accumulation_dtype
 from .core.scaler import LossScaler
@@ -77,7 +78,7 @@ def _make_optimizer(optimizer, model_parameters, module: nn.Module, cfg: ZeroCon
     if callable(optimizer):
         return optimizer(params)
     if cfg.optimizer is not None:
-        return build_optimizer(cfg.optimizer, params)
+        return build_optimizer(cfg.optimizer, params, module)
     return placeholder_optimizer(params)  # an engine for inference only (core/no_optimizer.py)
 
 
@@ -169,10 +170,14 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
     spec = _stage_spec(cfg, placement, units, dtype, replicas)
     policy = make_policy(units, opt_comm, spec, module=model, layout=layout, store=store,
                          syncs=syncs, early=placement.early, streams=streams)
+    muon = None
+    if getattr(torch_opt, "_zeroshard_muon", False):  # matrices dealt out to owner ranks
+        muon = MuonExchange(units, opt_comm, torch_opt, sharded=policy.shards_optimizer,
+                            momentum_dtype=_master_dtype(cfg), on_host=placement.name != "device")
     return ZeroOptimizer(model, torch_opt, opt_comm, units, policy, placement,
                          clip_norm=cfg.gradient_clipping, scaler=scaler, syncs=syncs,
                          world_comm=comm,  # GatheredParameters' modifier_rank numbers the world
-                         frozen_units=frozen,
+                         frozen_units=frozen, muon=muon,
                          skip_nonfinite=_skips_nonfinite(cfg))
 
 

@@ -158,6 +158,8 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT}")
     _check_params(engine.optimizer.sharded_state(), meta, meta_path)
+    if with_optim:
+        _check_groups(engine.optimizer, meta["optimizer"], meta_path)
     files = meta.get("files")
     reader = SafeReader(path, files)
     metadata = reader.read_metadata()  # .metadata's digest, allow-list, every file's size
@@ -229,6 +231,18 @@ def _check_params(sharded, meta, meta_path) -> None:
         n = wrong[0]
         raise CheckpointError(f"{meta_path}: parameter {n} has shape {saved[n]['shape']} in the "
                               f"checkpoint but {live[n]} in this model")
+
+
+def _check_groups(opt, saved: dict, meta_path) -> None:
+    """The saved optimizer state has one entry per live param group; CheckpointError otherwise
+    (e.g. a Muon checkpoint, whose matrices and other parameters are two groups, into AdamW)."""
+    live = len(opt.param_groups)
+    if len(saved["groups"]) != live:
+        raise CheckpointError(
+            f"{meta_path}: the checkpoint's optimizer ({saved.get('type')}) has "
+            f"{len(saved['groups'])} param group(s), this engine's "
+            f"({type(opt.optimizer).__name__}) {live}, so its state cannot be matched up; "
+            "load_checkpoint(..., load_optimizer_states=False) loads the weights alone")
 
 
 def _restore_engine(engine, meta, rng, load_lr_scheduler_states) -> None:

@@ -110,7 +110,7 @@ _DTYPE = _choice("fp32", "fp16", "bf16", aliases={"bfp16": "bf16"})
 
 # Canonical spellings; DeepSpeed matches optimizer names case-insensitively.
 DEEPSPEED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "OneBitAdam",
-                        "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD")
+                        "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon")
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 

@@ -3,9 +3,9 @@
 `optimizer.params` is free-form in DeepSpeed's schema and ends up as keyword arguments of a torch
 optimizer, which reports a bad value from deep inside (`betas: [0.9]` as an IndexError, `lr: "1e-3"`
 as a failed `<=`). Here every key of the types `build_optimizer` makes (Adam, AdamW, SGD,
-Adagrad) is checked when the config is read, and each problem names `optimizer.params.<key>` and
-the bad value. Types zeroshard cannot build (Lamb, OneBitAdam, ...) are refused when the
-optimizer is built, so their parameters are not checked here.
+Adagrad, Muon) is checked when the config is read, and each problem names
+`optimizer.params.<key>` and the bad value. Types zeroshard cannot build (Lamb, OneBitAdam, ...)
+are refused when the optimizer is built, so their parameters are not checked here.
 """
 
 from __future__ import annotations
@@ -63,6 +63,39 @@ _TORCH_FLAGS = {k: _flag for k in ("maximize", "foreach", "fused", "capturable",
 _ADAM = {**_LR, "betas": _betas, "eps": _number(), "weight_decay": _number(),
          "amsgrad": _flag, "bias_correction": _bias_correction, "adam_w_mode": _flag,
          "torch_adam": _flag, **_TORCH_FLAGS}
+
+
+def _ns_method(value: Any) -> str | None:
+    return None if value in ("gram", "standard") else 'expected "gram" or "standard"'
+
+
+def _ns_dtype(value: Any) -> str | None:
+    return None if value in ("auto", "fp32", "fp16", "bf16") else \
+        'expected "auto", "fp32", "fp16" or "bf16"'
+
+
+def _fp32_states(value: Any) -> str | None:
+    if not isinstance(value, bool):
+        return "expected true or false"
+    return None if value else "false is not available: the Adam half keeps fp32 state"
+
+
+def _per_head(value: Any) -> str | None:
+    if not isinstance(value, bool):
+        return "expected true or false"
+    return None if not value else ("true is not supported yet: zeroshard orthogonalises each "
+                                   "matrix whole; drop per_head_muon (or set it false)")
+
+
+# DeepSpeed 0.19.8's Muon keys (engine._configure_basic_optimizer): the Muon half takes lr,
+# momentum, weight_decay, ns_method; the Adam half lr, betas, eps, weight_decay; muon_lr /
+# adam_lr set one half's lr. zeroshard_ns_dtype is zeroshard's own (core/muon.py).
+_MUON = {**_LR, "muon_lr": _number(), "adam_lr": _number(),
+         "momentum": _number(hi=1.0, hi_open=True), "weight_decay": _number(),
+         "ns_method": _ns_method, "betas": _betas, "eps": _number(), "adam_w_mode": _flag,
+         "torch_adam": _flag, "foreach": _flag, "fp32_optimizer_states": _fp32_states,
+         "per_head_muon": _per_head, "zeroshard_ns_dtype": _ns_dtype}
+
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Adam": _ADAM,
     "AdamW": _ADAM,
@@ -70,6 +103,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "nesterov": _flag, **_TORCH_FLAGS},
     "Adagrad": {**_LR, "lr_decay": _number(), "weight_decay": _number(), "eps": _number(),
                 "initial_accumulator_value": _number(), **_TORCH_FLAGS},
+    "Muon": _MUON,
 }
 
 

@@ -111,6 +111,14 @@ def check_mics(size: int, stage: int, world_size: int, hpz: int = 1, offload: bo
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
     """Refuse optimizers whose update needs whole tensors (they would be wrong on shards)."""
     name = type(optimizer).__name__
+    if getattr(optimizer, "_zeroshard_muon", False):
+        return  # zeroshard's Muon: core/muon_exchange.py orthogonalises whole matrices first
+    if name.lower() == "muon":
+        raise ValueError(
+            f"optimizer {type(optimizer).__module__}.{name} orthogonalises whole matrices, so it "
+            "cannot step on zeroshard's flat 1/N shards. Use the config's \"optimizer\": "
+            "{\"type\": \"Muon\", ...} (DeepSpeed's Muon with an auxiliary Adam, each matrix "
+            "orthogonalised whole on one rank), or pass zeroshard.core.muon.MuonWithAuxAdam")
     if name.lower() in WHOLE_TENSOR or isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             f"optimizer {name} needs whole parameter tensors (per-tensor norms or closures), so it "

@@ -194,6 +194,7 @@ class ZeroOptimizationConfig(_Block):
     mics_shard_size: _int(-1) = -1
     memory_efficient_linear: Bool = True
     enable_sanity_checks: Bool = False
+    save_muon_momentum_buffer_in_memory: Bool = False
     zeroshard_unit_classes: Annotated[list[str], BeforeValidator(_check_names)] | None = None
     """zeroshard only: module class names (e.g. ["GPT2Block"]) whose instances each become one
     stage-3 unit, gathered and released together; None picks every repeating module class."""

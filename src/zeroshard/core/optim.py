@@ -5,6 +5,8 @@ placement of the fp32 master shards and optimizer state; it builds nothing itsel
 is the same for every stage:
   1. the policy averages gradients across ranks (all-reduce / reduce-scatter / already done);
   2. the fp32 gradient of each owned shard is formed (a view in fp32, an upcast copy otherwise);
+     with Muon, the Muon units' gradient shards are first replaced by their orthogonalised
+     updates (`muon_exchange.py`: two all-to-alls between the ranks holding and owning matrices);
   3. one scalar all-reduce gives the global gradient norm over all shards, which detects fp16
      overflow and drives clipping; unscaling and clipping are applied as one multiply, by a
      factor computed on the device (min(1, clip / (norm + 1e-6)) / loss scale);
@@ -57,13 +59,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  units: list[Unit], policy: StagePolicy, placement, *, clip_norm: float,
                  scaler: LossScaler, syncs: HostSyncs, world_comm: Comm | None = None,
-                 frozen_units: list[Unit] = (), skip_nonfinite: bool = False):
+                 frozen_units: list[Unit] = (), skip_nonfinite: bool = False, muon=None):
         """Compose the parts `build.py` made: `units` (cast to the compute dtype), the stage
         `policy` over them, and the `placement` of masters and optimizer state (which re-seated
         `optimizer` on its masters). `world_comm` numbers ranks for GatheredParameters when
         `comm` is a MiCS shard group; `frozen_units`: stage 3's units of frozen parameters
         (sharded, gathered by the policy, no masters); `skip_nonfinite`: an inf/nan gradient
-        skips the step instead of raising (bf16's check_grad_overflow; fp16 always skips)."""
+        skips the step instead of raising (bf16's check_grad_overflow; fp16 always skips);
+        `muon`: the `MuonExchange` that orthogonalises the Muon units' gradients before each
+        step (None without Muon)."""
         # torch.optim.Optimizer.__init__ is deliberately not called: there is no second state.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -79,6 +83,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy = policy
         self.placement = placement
         self.masters = placement.masters
+        #: Muon's per-matrix owners and momentum (core/muon_exchange.py), or None.
+        self.muon = muon
         #: The compute device: units are gathered and computed with here.
         self.device = units[0].compute_device if units else default_device()
         #: The unclipped global gradient norm of the last applied step, as a device tensor.
@@ -184,9 +190,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "(engine.load_checkpoint) to continue")
         self.policy.reduce_gradients()
         grads = [self.policy.grad_shard(unit) for unit in self.units]
+        scale = self.scaler.scale
+        if self.muon is not None:
+            # Newton-Schulz drops the loss scale; the update gets it back, so the norm, the
+            # overflow check and the unscaling treat it as they treat a gradient.
+            grads = self.muon.orthogonalize(grads, scale)
         total = self._global_sq_norm(self.placement.sq_norm(grads))
         self.steps += 1
-        scale = self.scaler.scale
         norm = total.sqrt() / scale
         found_inf = (~torch.isfinite(total)).to(torch.float32)
         factor = self._factor(norm, scale)
@@ -208,6 +218,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if masked and self.syncs.finish_read(flag, "non-finite check (after the step is queued)"):
             self.placement.forget_new_state(had_state)  # a skipped first step leaves no state
             return self._skip()
+        if self.muon is not None:
+            self.muon.commit()
         self.grad_norm = norm
         self.scaler.update(overflow=False, step=self.steps)
         self.step_applied = True
@@ -216,6 +228,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _skip(self) -> bool:
         """An inf/nan gradient: nothing was applied. fp16 skips the step; otherwise raise."""
         self.placement.drop_grads()
+        if self.muon is not None:
+            self.muon.discard()
         self.grad_norm = None
         if self.scaler.enabled:
             self.scaler.update(overflow=True, step=self.steps)
@@ -273,6 +287,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         counts each storage once, under the first entry naming it: offloaded parts come first,
         then parameters (an fp32 master that is the owned parameter slice counts as a parameter)."""
         entries = [("optimizer", where, tensors) for where, tensors in self.placement.ledger().items()]
+        if self.muon is not None:
+            entries.append(("optimizer", self.muon.place, self.muon.tensors()))
         entries += [("buffers", where, tensors)
                     for where, tensors in self.placement.buffer_ledger().items()]
         entries.append(("buffers", "cpu", self.policy.offload_buffer_tensors()))
@@ -295,10 +311,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             forget(unit)
 
 
-def build_optimizer(spec, params) -> torch.optim.Optimizer:
-    """Build a torch optimizer from the config's `optimizer` block, with DeepSpeed's meanings."""
+def build_optimizer(spec, params, module: nn.Module | None = None) -> torch.optim.Optimizer:
+    """Build a torch optimizer from the config's `optimizer` block, with DeepSpeed's meanings
+    (`module`: the model, whose parameter names Muon's split into matrices and the rest reads)."""
     kind = spec.type.lower()
     hp = dict(spec.params)
+    if kind == "muon":
+        from .muon import build_muon  # noqa: PLC0415 - only Muon runs need it
+
+        if module is None:
+            raise ValueError("optimizer Muon is built from the model (its parameter names "
+                             "decide which get Muon); pass module=")
+        return build_muon(module, params, hp)
     hp.pop("bias_correction", None)  # only true passes the config check: torch always corrects
     if kind == "adam":
         # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false.
@@ -318,7 +342,7 @@ def build_optimizer(spec, params) -> torch.optim.Optimizer:
     else:
         raise ValueError(
             f"optimizer.type {spec.type!r} is not available in zeroshard: it needs whole tensors "
-            "or DeepSpeed's custom kernels. Use Adam, AdamW, SGD or Adagrad, or pass a torch "
+            "or DeepSpeed's custom kernels. Use Adam, AdamW, SGD, Adagrad or Muon, or pass a torch "
             "optimizer instance to initialize(optimizer=...).")
     try:
         return cls(params, **hp)

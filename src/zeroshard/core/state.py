@@ -3,11 +3,12 @@
 What it holds (the format of zeroshard's checkpoints, unchanged since format 1): each parameter
 of a unit as a 1-D tensor of its flattened values, `model.<name>` (the fp32 master; stage 3's
 frozen units: the compute-dtype parameter), and each optimizer state tensor of the same shape as
-`optim.<key>.<name>`. Rank r holds and saves the part of each parameter that falls in its shard
-`[r*S, (r+1)*S)` of the parameter's unit, at every stage (stage 0 steps the whole unit and saves
-its shard's part of it; under MiCS the ranks of the first shard group save, the replicas hold the
-same values). DCP records each fragment's offset, so a loader with other units, another world size
-or another stage reads exactly the ranges it owns.
+`optim.<key>.<name>` (Muon's momentum too, as one fragment covering the whole parameter, written
+by the matrix's owner: `core/muon_exchange.py`). Rank r holds and saves the part of each
+parameter that falls in its shard `[r*S, (r+1)*S)` of the parameter's unit, at every stage
+(stage 0 steps the whole unit and saves its shard's part of it; under MiCS the ranks of the first
+shard group save, the replicas hold the same values). DCP records each fragment's offset, so a
+loader with other units, another world size or another stage reads exactly the ranges it owns.
 
 The fragments reach DCP as `Fragments`: a 1-D tensor of the parameter's size that holds no
 storage of its own, only this rank's `(offset, tensor)` pieces, and implements DCP's chunk
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .mics import replica_position
+from .muon_exchange import MOMENTUM_KEY
 
 
 class Fragments(torch.Tensor):
@@ -116,6 +118,8 @@ class ShardedState:
         self.groups = None if optimizer_meta is None else optimizer_meta["groups"]
         self.optimizer_state = optimizer_state
         self._targets: list | None = None
+        #: Muon's momentum read targets by matrix (None: nothing of it is read).
+        self._muon_targets: tuple[dict, dict] | None = None
 
     # -- metadata ------------------------------------------------------------------------------
     def named_parameters(self):
@@ -157,8 +161,12 @@ class ShardedState:
                     else:
                         scalars[key] = {"value": jsonable(value), "dtype": str(value.dtype)
                                         if torch.is_tensor(value) else None}
-            groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
-                           "order": order})
+            entry = {"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
+                     "order": order}
+            if opt.muon is not None and opt.muon.started and group.get("use_muon"):
+                # Muon's momentum: whole matrices saved by their owners (core/muon_exchange.py).
+                entry["whole_keys"] = [MOMENTUM_KEY]
+            groups.append(entry)
         return {"type": type(opt.optimizer).__name__, "groups": groups}
 
     @staticmethod
@@ -176,7 +184,13 @@ class ShardedState:
             return self._save_entries()
         if self._targets is None:
             self._targets = self._read_targets()
-        return {k: v for _, _, entries in self._targets for k, v in entries.items()}
+            if self.optimizer_state and self.opt.muon is not None and \
+                    any(MOMENTUM_KEY in g.get("whole_keys", ()) for g in self.groups):
+                self._muon_targets = self.opt.muon.targets(Fragments)
+        out = {k: v for _, _, entries in self._targets for k, v in entries.items()}
+        if self._muon_targets is not None:
+            out.update(self._muon_targets[0])
+        return out
 
     def _bounds(self, unit) -> tuple[int, int]:
         return unit.shard_bounds(self.opt.comm.rank)
@@ -211,6 +225,8 @@ class ShardedState:
             shard = opt.policy.read_owned(unit).detach()
             for slot in unit.slots:
                 state[f"model.{slot.name}"] = _fragments(unit, slot, lo, hi, shard)
+        if opt.muon is not None and units:
+            state.update(opt.muon.entries(Fragments))
         return state
 
     def _read_targets(self) -> list:
@@ -264,7 +280,8 @@ class ShardedState:
             raise RuntimeError("ShardedState.load_state_dict: build it with saved_keys= and "
                                "optimizer_meta= of the checkpoint, and read into its "
                                "state_dict() first")
-        for _, _, entries in self._targets:
+        muon_entries = self._muon_targets[0] if self._muon_targets is not None else {}
+        for entries in [*(e for _, _, e in self._targets), muon_entries]:
             for key, target in entries.items():
                 if key not in state_dict:
                     raise KeyError(f"ShardedState.load_state_dict: no {key} in the state dict "
@@ -282,6 +299,8 @@ class ShardedState:
                     self._install(unit, tensors, self.groups[unit.group_index]
                                   if self.optimizer_state else None)
             opt.placement.flush()
+            if self.optimizer_state and opt.muon is not None:
+                opt.muon.install(None if self._muon_targets is None else self._muon_targets[1])
             opt.policy.gather_params()
             opt.broken = None  # every master, state and parameter shard was rewritten
             if self.optimizer_state:

@@ -3,7 +3,7 @@
 `optimizer.params` is free-form in DeepSpeed's schema and ends up as keyword arguments of a torch
 optimizer, which reports a bad value from deep inside (`betas: [0.9]` as an IndexError, `lr: "1e-3"`
 as a failed `<=`). Here every key of the types `build_optimizer` makes (Adam, AdamW, SGD,
-Adagrad, Muon) is checked when the config is read, and each problem names
+Adagrad, Lion, Muon) is checked when the config is read, and each problem names
 `optimizer.params.<key>` and the bad value. Types zeroshard cannot build (Lamb, OneBitAdam, ...)
 are refused when the optimizer is built, so their parameters are not checked here.
 """
@@ -104,6 +104,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Adagrad": {**_LR, "lr_decay": _number(), "weight_decay": _number(), "eps": _number(),
                 "initial_accumulator_value": _number(), **_TORCH_FLAGS},
     "Muon": _MUON,
+    "Lion": {**_LR, "betas": _betas, "weight_decay": _number()},
 }
 
 

@@ -339,11 +339,16 @@ def build_optimizer(spec, params, module: nn.Module | None = None) -> torch.opti
         cls = torch.optim.SGD
     elif kind == "adagrad":
         cls = torch.optim.Adagrad
+    elif kind == "lion":
+        from .lion import Lion  # noqa: PLC0415 - only Lion runs need it
+        cls = Lion
+        hp.setdefault("lr", 1e-3)  # DeepSpeed's FusedLion defaults, not the paper's
+        hp.setdefault("betas", (0.9, 0.999))
     else:
         raise ValueError(
             f"optimizer.type {spec.type!r} is not available in zeroshard: it needs whole tensors "
-            "or DeepSpeed's custom kernels. Use Adam, AdamW, SGD, Adagrad or Muon, or pass a torch "
-            "optimizer instance to initialize(optimizer=...).")
+            "or DeepSpeed's custom kernels. Use Adam, AdamW, SGD, Adagrad, Lion or Muon, or pass "
+            "a torch optimizer instance to initialize(optimizer=...).")
     try:
         return cls(params, **hp)
     except TypeError as err:

@@ -110,6 +110,14 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
+    if not os.path.isfile(os.path.join(path, META)):
+        from .deepspeed_read import is_deepspeed  # noqa: PLC0415
+
+        if is_deepspeed(path):  # DeepSpeed's files, not zeroshard's: read them whole per tensor
+            from .portable_load import load_deepspeed  # noqa: PLC0415
+
+            return load_deepspeed(engine, load_dir, tag, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only, strict)
     comm = engine.comm
     with_optim = load_optimizer_states and not load_module_only
     try:
@@ -154,6 +162,8 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist (tag {tag!r} in {load_dir})")
     meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"checkpoint file missing: {meta_path}; {unknown_format(path)}")
     meta = read_meta(meta_path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT}")
@@ -193,6 +203,15 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     rng = read_rng(path, comm.rank, files) if with_engine else None
     client_state = torch_load_verified(path, CLIENT, files)
     return meta, reader, state, sharded, rng, client_state
+
+
+def unknown_format(path: str) -> str:
+    """Why `path` is read as no checkpoint: what it holds instead."""
+    names = sorted(os.listdir(path))
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (f"{path} is neither a zeroshard checkpoint (no {META}) nor a DeepSpeed one (no "
+            "mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt); it holds "
+            f"{shown or 'nothing'}")
 
 
 def _check_strict(engine, meta, saved_keys: set, path: str) -> None:

@@ -21,8 +21,8 @@ import shutil
 
 import torch
 
-from .names import LATEST, META
-from .recovery import write_script
+from .names import LATEST, META, unknown_format
+from .recovery_script import write_script
 from .verify import CheckpointError
 
 __all__ = ["DTYPES", "convert", "target_from_config"]
@@ -78,7 +78,6 @@ def convert(src: str, dst: str, *, to: str | None = None, from_: str | None = No
     one of `to="deepspeed"` / `from_="deepspeed"`. Returns `dst`."""
     from .deepspeed_read import DeepSpeedCheckpoint, is_deepspeed  # noqa: PLC0415
     from .portable import ZeroshardCheckpoint, write_zeroshard  # noqa: PLC0415
-    from .sharded import unknown_format  # noqa: PLC0415
 
     if (to is None) == (from_ is None) or (to or from_) != "deepspeed":
         raise CheckpointError("give exactly one of --to deepspeed / --from deepspeed")

@@ -72,6 +72,15 @@ def check(engine, ckpt: Portable, with_optim: bool, strict: bool) -> None:
     (and, with optimizer state, in the same param group); with `strict`, nothing on one side only."""
     where = ckpt.path
     trained = _trained(engine)
+    if with_optim:
+        count = len(engine.optimizer.param_groups)
+        if ckpt.groups is None:
+            raise CheckpointError(f"{where} holds no optimizer state; "
+                                  "load_optimizer_states=False loads the weights alone")
+        if len(ckpt.groups) != count:
+            raise CheckpointError(f"{where}: {len(ckpt.groups)} optimizer param groups in the "
+                                  f"checkpoint, {count} here; load_optimizer_states=False loads "
+                                  "the weights alone")
     for name, meta in trained.items():
         saved = ckpt.params.get(name)
         shape = saved[0] if saved is not None else ckpt.frozen.get(name)
@@ -90,15 +99,6 @@ def check(engine, ckpt: Portable, with_optim: bool, strict: bool) -> None:
                                   f"{saved[1]} in the checkpoint but {meta['group']} here; "
                                   "build the optimizer's param groups as when saving, or pass "
                                   "load_optimizer_states=False")
-    if with_optim:
-        count = len(engine.optimizer.param_groups)
-        if ckpt.groups is None:
-            raise CheckpointError(f"{where} holds no optimizer state; "
-                                  "load_optimizer_states=False loads the weights alone")
-        if len(ckpt.groups) != count:
-            raise CheckpointError(f"{where}: {len(ckpt.groups)} optimizer param groups in the "
-                                  f"checkpoint, {count} here; load_optimizer_states=False loads "
-                                  "the weights alone")
     if strict:
         names = {n for n, _ in plain_named(engine.module.named_parameters())}
         buffers = {n for n, _ in plain_named(engine.module.named_buffers())}

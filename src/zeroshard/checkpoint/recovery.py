@@ -4,8 +4,8 @@ DeepSpeed copies its `zero_to_fp32.py` into every save directory, so that whoeve
 checkpoint can get the whole fp32 model back with
 `python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]`. zeroshard does
 the same: `save_checkpoint` (rank 0, after the save succeeded) and `zeroshard convert` write
-`SCRIPT` as `<save_dir>/zero_to_fp32.py`. It takes DeepSpeed's command line and calls `main()`
-here, which reads zeroshard checkpoints and DeepSpeed ones alike. It needs zeroshard installed
+`recovery_script.SCRIPT` as `<save_dir>/zero_to_fp32.py`. It takes DeepSpeed's command line and
+calls `main()` here, which reads zeroshard checkpoints and DeepSpeed ones alike. It needs zeroshard installed
 (DeepSpeed's needs DeepSpeed). A DeepSpeed checkpoint written by `zeroshard convert --to
 deepspeed` is also read by DeepSpeed's own `zero_to_fp32.py`.
 
@@ -21,60 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
-import warnings
 
 import torch
 
-from .names import META
+from .names import META, unknown_format
 from .verify import CheckpointError
 
-__all__ = ["SCRIPT", "fp32_state_dict", "main", "write_fp32", "write_script"]
-
-SCRIPT = '''#!/usr/bin/env python
-"""Written by zeroshard beside its checkpoints (as DeepSpeed writes its zero_to_fp32.py): the whole
-model in fp32 from a zeroshard or DeepSpeed ZeRO checkpoint of any stage and world size.
-
-    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
-                           [--max_shard_size 5GB] [--exclude_frozen_parameters]
-
-Needs zeroshard installed (pip install zeroshard); see zeroshard's docs/guides/checkpoints.md."""
-import sys
-
-if __name__ == "__main__":
-    from zeroshard.checkpoint.recovery import main
-
-    sys.exit(main())
-'''
-
-NAME = "zero_to_fp32.py"
-
-
-def write_script(save_dir: str) -> None:
-    """Write `SCRIPT` as `save_dir/zero_to_fp32.py` (atomically, executable); a warning, never an
-    error, if it cannot be written: the checkpoint itself is complete without it."""
-    path = os.path.join(save_dir, NAME)
-    try:
-        with open(path) as fh:
-            if fh.read() == SCRIPT:
-                return
-    except OSError:
-        pass
-    tmp = os.path.join(save_dir, f".{NAME}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(SCRIPT)
-        os.chmod(tmp, os.stat(tmp).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-        os.replace(tmp, path)
-    except OSError as err:
-        warnings.warn(f"zeroshard: could not write {path} ({err}); the checkpoint is complete, "
-                      "`zeroshard consolidate` reads it", stacklevel=2)
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-
+__all__ = ["fp32_state_dict", "main", "write_fp32"]
 
 def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
     from .consolidate import tag_path  # noqa: PLC0415
@@ -88,14 +42,21 @@ def fp32_state_dict(checkpoint_dir: str, tag: str | None = None,
     checkpoint; tied names share one tensor."""
     path = _tag_dir(checkpoint_dir, tag)
     if os.path.isfile(os.path.join(path, META)):
-        from ..compat.deepspeed.utils.zero_to_fp32 import \
-            get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415
+        from .consolidate import consolidated_state_dict  # noqa: PLC0415
 
-        return get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
-                                                        exclude_frozen_parameters)
+        state = consolidated_state_dict(checkpoint_dir, tag, torch.float32)
+        if exclude_frozen_parameters:
+            with open(os.path.join(path, META)) as fh:
+                meta = json.load(fh)
+            saved_as, params = meta["state_dict"], meta.get("params", {})
+
+            def frozen(key: str) -> bool:  # saved whole below stage 3, in group -1 at stage 3
+                return key.startswith("frozen.") or \
+                    params.get(key[len("model."):], {}).get("group", 0) < 0
+
+            state = {k: v for k, v in state.items() if not frozen(saved_as.get(k, ""))}
+        return state
     from .deepspeed_read import DeepSpeedCheckpoint, is_deepspeed  # noqa: PLC0415
-    from .sharded import unknown_format  # noqa: PLC0415
-
     if not is_deepspeed(path):
         raise CheckpointError(unknown_format(path))
     ckpt = DeepSpeedCheckpoint(path)

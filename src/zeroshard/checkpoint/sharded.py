@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from ..core.hostmem import host_region
 from ..core.layout import plain_named
 from .directory import describe_failure
-from .names import CLIENT, FORMAT, LATEST, META, quiet_dcp, sampler_of
+from .names import CLIENT, FORMAT, LATEST, META, quiet_dcp, sampler_of, unknown_format
 from .run_state import read_rng, set_rng_state
 from .verify import CheckpointError, SafeReader, agree, read_meta, torch_load_verified
 
@@ -203,15 +203,6 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     rng = read_rng(path, comm.rank, files) if with_engine else None
     client_state = torch_load_verified(path, CLIENT, files)
     return meta, reader, state, sharded, rng, client_state
-
-
-def unknown_format(path: str) -> str:
-    """Why `path` is read as no checkpoint: what it holds instead."""
-    names = sorted(os.listdir(path))
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return (f"{path} is neither a zeroshard checkpoint (no {META}) nor a DeepSpeed one (no "
-            "mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt); it holds "
-            f"{shown or 'nothing'}")
 
 
 def _check_strict(engine, meta, saved_keys: set, path: str) -> None:

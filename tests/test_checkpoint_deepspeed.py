@@ -129,6 +129,7 @@ def _errors(rank, world, root):
     cases = {"neither": (os.path.join(scratch, "neither"), {}),
              "torn": (os.path.join(scratch, "torn"), {}),
              "one_group": (os.path.join(ROOT, "s2_fp32"), {"groups": 1}),
+             "one_group_s0": (os.path.join(ROOT, "s0_fp32"), {"groups": 1}),
              "other_model": (os.path.join(ROOT, "s2_fp32"), {"wide": True})}
     for name, (path, how) in cases.items():
         import zeroshard
@@ -148,9 +149,9 @@ def _errors(rank, world, root):
             out[name] = str(err)
         after, _ = _state(engine)
         out[f"{name}_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
-        if name == "one_group":  # the weights alone still load
+        if name.startswith("one_group"):  # the weights alone still load
             engine.load_checkpoint(path, load_optimizer_states=False)
-            out["one_group_weights"], _ = _state(engine)
+            out[f"{name}_weights"], _ = _state(engine)
         engine.destroy()
     return out
 
@@ -246,7 +247,7 @@ def test_bad_loads_are_clear_errors_and_change_nothing(world2):
     expected, _ = _expected("s2_fp32")
     for result in world2:
         got = result["errors"]
-        for name in ("neither", "torn", "one_group", "other_model"):
+        for name in ("neither", "torn", "one_group", "one_group_s0", "other_model"):
             assert got[name] is not None and got[f"{name}_unchanged"], (name, got[name])
         assert "neither a zeroshard checkpoint" in got["neither"] and "notes.txt" in got["neither"]
         assert "zero_pp_rank_1_mp_rank_00_optim_states.pt is missing" in got["torn"]
@@ -255,8 +256,12 @@ def test_bad_loads_are_clear_errors_and_change_nothing(world2):
         assert "has shape [3" in got["other_model"] and "in the checkpoint but [4" in \
             got["other_model"]
         assert got["neither"].startswith("ranks 0-1: ")  # every rank saw it, every rank raised
+        assert "has 2 param groups of [3, 3] parameters, this optimizer 1 of [6]" in \
+            got["one_group_s0"] and "load_optimizer_states=False" in got["one_group_s0"]
         for param, value in expected["master"].items():
             assert torch.equal(got["one_group_weights"][param], value)
+        for param, value in _expected("s0_fp32")[0]["master"].items():
+            assert torch.equal(got["one_group_s0_weights"][param], value)
 
 
 # -- convert, zero_to_fp32.py, refusals: one process ------------------------------------------------

@@ -1,4 +1,5 @@
-"""`zeroshard convert`: a DeepSpeed checkpoint into a zeroshard one and back, offline, in one process.
+"""`zeroshard convert`: a DeepSpeed checkpoint into a zeroshard one and back, offline, in one
+process.
 
 `convert(src, dst, to="deepspeed")` reads zeroshard checkpoint `src/<tag>` (`portable.py`'s
 `ZeroshardCheckpoint`, every byte checked against the digests recorded at save time) and writes
@@ -94,6 +95,9 @@ def convert(src: str, dst: str, *, to: str | None = None, from_: str | None = No
     config = _read_config(ds_config)
     if from_ is not None:
         ckpt = DeepSpeedCheckpoint(path)
+        if ckpt.groups is None:
+            raise CheckpointError(ckpt.extra["no_optimizer_state"] or
+                                  f"{path} holds no optimizer state to convert")
         target = None
     else:
         ckpt = ZeroshardCheckpoint(path)

@@ -92,10 +92,11 @@ def load(path: str, mmap: bool = False) -> dict:
     return state
 
 
-class _NamedPickler(pickle._Pickler):  # noqa: SLF001 - the pure-Python pickler lets save_global be overridden
+class _NamedPickler(pickle._Pickler):  # noqa: SLF001 - the pure-Python one: save_global overridable
     """torch.save's pickler, writing the stand-ins under DeepSpeed's class names."""
 
     def save_global(self, obj, name=None):
+        """A stand-in class by DeepSpeed's name; anything else as pickle does."""
         qualified = getattr(obj, "ds_name", None) if isinstance(obj, type) else None
         if not qualified:
             return super().save_global(obj, name)

@@ -1,4 +1,5 @@
-"""A DeepSpeed 0.19 ZeRO checkpoint (`<save_dir>/<tag>/`) read without DeepSpeed: `DeepSpeedCheckpoint`.
+"""A DeepSpeed 0.19 ZeRO checkpoint (`<save_dir>/<tag>/`) read without DeepSpeed:
+`DeepSpeedCheckpoint`.
 
 What DeepSpeed writes for a data-parallel run of W ranks, and what this reader relies on:
 
@@ -68,7 +69,7 @@ def is_deepspeed(path: str) -> bool:
 
 def _refuse_unsupported(path: str, names: list[str]) -> None:
     """CheckpointError for the DeepSpeed checkpoints zeroshard cannot read, naming the evidence."""
-    def refuse(name, what):
+    def refuse(name, what):  # noqa: ANN001 - local
         raise CheckpointError(f"{os.path.join(path, name)}: {what}; zeroshard reads DeepSpeed "
                               "checkpoints of data-parallel ZeRO runs (stages 0-3) only")
     for name in names:
@@ -177,11 +178,13 @@ class DeepSpeedCheckpoint(Portable):
             lr_scheduler=model.get("lr_scheduler"),
             client_state={k: v for k, v in model.items() if k not in DS_KEYS}, dtype=dtype,
             extra={"ds_config": config, "ds_version": model.get("ds_version"),
+                   "no_optimizer_state": self._no_optimizer_state,
                    "gradient_accumulation_steps": gas if isinstance(gas, int) else None,
                    "model_states": model})
 
     # -- layouts -------------------------------------------------------------------------------
     _loss_scaler = None
+    _no_optimizer_state = None
 
     def _zero12(self, file, model, optims, world):
         """Stages 1-2 and BF16_Optimizer: flat groups cut into W equal partitions."""
@@ -210,7 +213,8 @@ class DeepSpeedCheckpoint(Portable):
             size = sizes[0]
             if any(s != size for s in sizes):
                 raise CheckpointError(f"{file}: param group {g}'s partitions differ in size "
-                                      f"between ranks ({sizes}); the files are from different saves")
+                                      f"between ranks ({sizes}); the files are from different "
+                                      "saves")
             paddings = (first.get("param_alignment_paddings") or [None] * count)[g] or \
                 [0] * len(shapes[g])
             offset = 0
@@ -277,44 +281,51 @@ class DeepSpeedCheckpoint(Portable):
         return 3, params, groups
 
     def _zero0(self, file, model, buffers, group_names):
-        """Stage 0: whole fp32 weights in `module`, torch's per-parameter optimizer state."""
+        """Stage 0: whole weights in `module` (fp32 masters when the model computed in fp32),
+        torch's per-parameter optimizer state when zeroshard can name its parameters."""
         module, optim = model["module"], model.get("optimizer")
         candidates = [k for k in module if k not in buffers]
-        if optim is None:
-            return {n: (tuple(module[n].shape), 0) for n in candidates}, None
-        if not isinstance(optim, dict) or "param_groups" not in optim or "state" not in optim:
-            raise CheckpointError(f"{file}: its optimizer state is not a torch optimizer's "
-                                  "state_dict (DeepSpeed's fp16/bf16 optimizer wrappers at stage "
-                                  "0 are not supported); load_optimizer_states=False loads the "
-                                  "weights alone")
+        for j, name in enumerate(candidates):
+            self._flat(0, j)["master"] = module[name].reshape(-1)
+            self._pieces[name] = (j, [(0, 0, module[name].numel())])
+        weights_only = {n: (tuple(module[n].shape), 0) for n in candidates}
         dtypes = {module[n].dtype for n in candidates if module[n].is_floating_point()}
-        if dtypes - {torch.float32}:
-            raise CheckpointError(f"{file}: a stage-0 checkpoint of a {sorted(map(str, dtypes))} "
-                                  "model keeps no fp32 masters that zeroshard can read")
-        if group_names is None:
-            if len(optim["param_groups"]) != 1:
-                raise CheckpointError(
-                    f"{file}: a stage-0 DeepSpeed checkpoint does not record which parameter is "
-                    f"in which of its {len(optim['param_groups'])} param groups; load it with "
-                    "engine.load_checkpoint (the engine's param groups name them) instead of "
-                    "converting it")
+        count = len(optim["param_groups"]) if isinstance(optim, dict) and \
+            "param_groups" in optim and "state" in optim else None
+        if group_names is None and count == 1:
             group_names = [candidates]
+        names_of = group_names or []
+        why = None
+        if optim is None:
+            why = "holds no optimizer state"
+        elif count is None:
+            why = ("holds an optimizer state that is not a torch optimizer's state_dict "
+                   "(DeepSpeed's fp16/bf16 optimizer wrappers at stage 0 are not supported)")
+        elif dtypes - {torch.float32}:
+            why = f"keeps no fp32 masters of its {sorted(map(str, dtypes))} model"
+        elif group_names is None:
+            why = (f"is a stage-0 DeepSpeed checkpoint, which does not record which parameter "
+                   f"is in which of its {count} param groups; load it with "
+                   "engine.load_checkpoint (the engine's param groups name them) instead of "
+                   "converting it")
+        elif count != len(names_of) or any(len(n) != len(g["params"]) for n, g in
+                                           zip(names_of, optim["param_groups"])):
+            sizes = [len(g["params"]) for g in optim["param_groups"]]
+            why = (f"has {count} param groups of {sizes} parameters, this optimizer "
+                   f"{len(names_of)} of {[len(n) for n in names_of]}")
+        if why is not None:
+            self._no_optimizer_state = f"{file} {why}"
+            return weights_only, None
         params, groups = {}, []
-        for g, (group, names) in enumerate(zip(optim["param_groups"], group_names)):
-            if len(names) != len(group["params"]):
-                raise CheckpointError(f"{file}: param group {g} has {len(group['params'])} "
-                                      f"parameters in the checkpoint, {len(names)} here")
+        for g, (group, names) in enumerate(zip(optim["param_groups"], names_of)):
             first_state = {}
             for name, index in zip(names, group["params"]):
                 state = optim["state"].get(index, {})
                 first_state = first_state or state
-                j = len(self._pieces)
-                flat = self._flat(0, j)
-                flat["master"] = module[name].reshape(-1)
-                flat.update({k: v.reshape(-1) for k, v in state.items()
-                             if torch.is_tensor(v) and v.dim() > 0})
+                self._flats[0][self._pieces[name][0]].update(
+                    {k: v.reshape(-1) for k, v in state.items()
+                     if torch.is_tensor(v) and v.dim() > 0})
                 params[name] = (tuple(module[name].shape), g)
-                self._pieces[name] = (j, [(0, 0, module[name].numel())])
             groups.append(_group_meta(first_state, {k: v for k, v in group.items()
                                                     if k != "params"}))
         return params, groups
@@ -397,9 +408,9 @@ def _optim_files(path: str, names: list[str], world: int, config: dict) -> list[
     missing = [r for r in range(world) if r not in files]
     if missing:
         prefix = "bf16_" if bf16 else ""
-        raise CheckpointError(f"{path}: {prefix}zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt "
-                              f"is missing ({len(missing)} of the {world} ranks' optimizer files "
-                              "are); was the save interrupted?")
+        name = f"{prefix}zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt"
+        raise CheckpointError(f"{path}: {name} is missing ({len(missing)} of the {world} ranks' "
+                              "optimizer files are); was the save interrupted?")
     extra = sorted(r for r in files if r >= world)
     if extra:
         raise CheckpointError(f"{os.path.join(path, files[extra[0]])}: an optimizer file of rank "

@@ -1,4 +1,5 @@
-"""Writing a checkpoint as DeepSpeed 0.19 does, for DeepSpeed's own `load_checkpoint`: `write_deepspeed`.
+"""Writing a checkpoint as DeepSpeed 0.19 does, for DeepSpeed's own `load_checkpoint`:
+`write_deepspeed`.
 
 The inverse of `deepspeed_read.py` (whose docstring describes the files) for a data-parallel run
 of W ranks at ZeRO stage S, laid out as DeepSpeed 0.19.8 lays out a model with its defaults:
@@ -69,7 +70,8 @@ class _Writer:
     """The pieces every file shares, and the per-stage layouts."""
 
     def __init__(self, ckpt: Portable, world: int, stage: int, dtype: torch.dtype, config: dict):
-        self.ckpt, self.world, self.stage, self.dtype, self.config = ckpt, world, stage, dtype, config
+        self.ckpt, self.world, self.stage = ckpt, world, stage
+        self.dtype, self.config = dtype, config
         self.names = ckpt.group_names()
         self.scaler, self.dynamic = _loss_scaler(ckpt, dtype, config)
 
@@ -207,7 +209,7 @@ class _Writer:
         save(self._model_states(module, shared, buffers, param_shapes=shapes, **frozen), file)
         return [file, *written]
 
-    # -- stage 3 -------------------------------------------------------------------------------------
+    # -- stage 3 ---------------------------------------------------------------------------------
     def stage3(self, tag_dir: str, sub_group_size: int) -> list[str]:
         """Every parameter cut into W equal parts; one flat per sub-group and rank."""
         ckpt, world = self.ckpt, self.world

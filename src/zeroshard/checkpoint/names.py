@@ -19,7 +19,8 @@ def quiet_dcp():
     """DCP warns when it loads without a process group (consolidate, one-process runs), which
     does not concern the user."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single.*")
+        warnings.filterwarnings("ignore",
+                                message=".*assuming the intent is to (load|save) in a single.*")
         yield
 
 

@@ -70,7 +70,7 @@ class Portable:
     extra: dict = dataclasses.field(default_factory=dict)
 
     def tensor(self, key: str) -> torch.Tensor:
-        """The whole tensor of entry `key` (`model.<p>`, `optim.<k>.<p>`, `frozen.<p>`, `buffer.<b>`)."""
+        """The whole tensor of entry `key` (model.<p>, optim.<k>.<p>, frozen.<p>, buffer.<b>)."""
         raise NotImplementedError
 
     def module_order(self) -> list[str]:

@@ -45,7 +45,13 @@ def load_deepspeed(engine, load_dir: str, tag: str, load_optimizer_states: bool 
     except Exception as err:  # noqa: BLE001 - every rank must reach the agreement regardless
         error = f"reading DeepSpeed checkpoint {path} failed: {type(err).__name__}: {err}"
     agree(engine.comm, error)
-    install(engine, ckpt, with_optim, not load_module_only, load_lr_scheduler_states)
+    try:
+        install(engine, ckpt, with_optim, not load_module_only, load_lr_scheduler_states)
+    except Exception as err:  # an I/O error reading a partition: the checks had passed
+        raise CheckpointError(
+            f"could not load {path} after checking it ({type(err).__name__}: {err}); master "
+            "weights and optimizer state may be partly overwritten: load a checkpoint again "
+            "before training") from None
     engine.comm.barrier()
     return path, ckpt.deepspeed_client_state(load_optimizer_states, load_lr_scheduler_states,
                                              load_module_only)
@@ -69,14 +75,14 @@ def _engine_group_names(engine) -> list[list[str]]:
 
 def check(engine, ckpt: Portable, with_optim: bool, strict: bool) -> None:
     """CheckpointError unless `ckpt` fits `engine`: every trained parameter saved with its shape
-    (and, with optimizer state, in the same param group); with `strict`, nothing on one side only."""
+    (with optimizer state: in the same param group); with `strict`, nothing on one side only."""
     where = ckpt.path
     trained = _trained(engine)
     if with_optim:
         count = len(engine.optimizer.param_groups)
         if ckpt.groups is None:
-            raise CheckpointError(f"{where} holds no optimizer state; "
-                                  "load_optimizer_states=False loads the weights alone")
+            why = ckpt.extra.get("no_optimizer_state") or f"{where} holds no optimizer state"
+            raise CheckpointError(f"{why}; load_optimizer_states=False loads the weights alone")
         if len(ckpt.groups) != count:
             raise CheckpointError(f"{where}: {len(ckpt.groups)} optimizer param groups in the "
                                   f"checkpoint, {count} here; load_optimizer_states=False loads "
@@ -140,7 +146,7 @@ class _OnDemand(dict):
 def install(engine, ckpt: Portable, with_optim: bool, with_engine: bool,
             load_lr_scheduler_states: bool) -> None:
     """Write `ckpt` (checked by `check`) into `engine`: masters, parameters, optimizer state,
-    untrained parameters and buffers; with `with_engine` also counters, loss scaler, LR scheduler."""
+    untrained parameters and buffers; `with_engine`: also counters, loss scaler, LR scheduler."""
     opt = engine.optimizer
     keys = set()
     for name, meta in opt.sharded_state().param_meta().items():
@@ -179,8 +185,8 @@ def _restore_engine(engine, ckpt: Portable, load_lr_scheduler_states: bool) -> N
     engine.global_steps = counters["global_steps"]
     engine.global_samples = counters["global_samples"]
     engine.skipped_steps = counters["skipped_steps"]
-    engine.micro_steps = counters.get("micro_steps",
-                                      counters["global_steps"] * engine.gradient_accumulation_steps())
+    steps = counters["global_steps"]
+    engine.micro_steps = counters.get("micro_steps", steps * engine.gradient_accumulation_steps())
     engine.optimizer.steps = counters.get("optimizer_steps", counters["global_steps"])
     if ckpt.scaler is not None and engine.scaler.enabled:
         engine.scaler.load_state_dict(ckpt.scaler)

@@ -5,9 +5,9 @@ checkpoint can get the whole fp32 model back with
 `python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]`. zeroshard does
 the same: `save_checkpoint` (rank 0, after the save succeeded) and `zeroshard convert` write
 `recovery_script.SCRIPT` as `<save_dir>/zero_to_fp32.py`. It takes DeepSpeed's command line and
-calls `main()` here, which reads zeroshard checkpoints and DeepSpeed ones alike. It needs zeroshard installed
-(DeepSpeed's needs DeepSpeed). A DeepSpeed checkpoint written by `zeroshard convert --to
-deepspeed` is also read by DeepSpeed's own `zero_to_fp32.py`.
+calls `main()` here, which reads zeroshard checkpoints and DeepSpeed ones alike. It needs
+zeroshard installed (DeepSpeed's needs DeepSpeed). A DeepSpeed checkpoint written by `zeroshard
+convert --to deepspeed` is also read by DeepSpeed's own `zero_to_fp32.py`.
 
 Output as DeepSpeed's: `pytorch_model.bin` (torch.save), or `model.safetensors` with
 `--safe_serialization`; beyond `--max_shard_size` (default 5GB) Hugging Face style shards

@@ -1,4 +1,5 @@
-"""`zeroshard convert`: a DeepSpeed checkpoint into a zeroshard one and back (`checkpoint/convert.py`)."""
+"""`zeroshard convert`: a DeepSpeed checkpoint into a zeroshard one and back
+(`checkpoint/convert.py`)."""
 
 from __future__ import annotations
 

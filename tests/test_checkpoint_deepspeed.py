@@ -4,7 +4,7 @@ bf16 (BF16_Optimizer) / fp16, two AdamW param groups, WarmupDecayLR, client_stat
 view of the masters and Adam state at save time, and its losses for M more steps).
 
 - `engine.load_checkpoint(<DeepSpeed dir>)` at world 2 and 4, into the same and other zeroshard
-  stages: fp32 masters, exp_avg, exp_avg_sq bitwise as DeepSpeed held them; step, counters, lr,
+  stages (one with the optimizer offloaded to the CPU): fp32 masters, exp_avg, exp_avg_sq bitwise as DeepSpeed held them; step, counters, lr,
   LR scheduler, fp16 loss scaler, DeepSpeed's client_state; then the next M losses as DeepSpeed's
   (bitwise at 2 ranks in fp32 and fp16; within rounding at 4 ranks or in bf16);
 - `zeroshard convert --from deepspeed` then `--to deepspeed` gives DeepSpeed's tensors back, and a
@@ -30,9 +30,9 @@ from tests.fixtures.make_deepspeed_ckpt import (CASES, CLIENT, K, M, ROOT, confi
                                                 make_optimizer, mean_over_ranks, train_step)
 from tests.harness import run_world
 
-#: (fixture case, zeroshard stage) resumed at each world size
+#: (fixture case, zeroshard stage) resumed at each world size; "3+cpu": optimizer offload
 PLAN = {2: [("s0_fp32", 0), ("s1_bf16", 1), ("s2_fp32", 2), ("s2_fp32", 3), ("s2_fp16", 2),
-            ("s3_fp32", 3), ("s3_fp32", 1)],
+            ("s3_fp32", "3+cpu"), ("s3_fp32", 1)],
         4: [("s0_fp32", 2), ("s1_bf16", 3), ("s2_fp32", 3), ("s2_fp16", 1), ("s3_fp32", 2)]}
 
 
@@ -47,8 +47,10 @@ def _engine(case, stage, world, seed=99, **overrides):
     import zeroshard
 
     precision = CASES[case][1]
-    cfg = config(stage, precision, world)
+    cfg = config(int(str(stage)[0]), precision, world)
     cfg.pop("data_types", None)  # DeepSpeed's BF16_Optimizer switch; inert here
+    if str(stage).endswith("+cpu"):
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     cfg.update(overrides)
     model = make_net()
     torch.manual_seed(seed)
@@ -61,9 +63,34 @@ def _engine(case, stage, world, seed=99, **overrides):
 
 
 def _state(engine):
-    from tests.fixtures.make_ckpt_v1 import full_state
+    """Every parameter's whole fp32 master and optimizer state, gathered from the shards (as
+    make_ckpt_v1.full_state, with offloaded shards copied to the compute device first)."""
+    from zeroshard.core.hostmem import to_device
 
-    return full_state(engine)
+    opt = engine.optimizer
+    masters, optim = {}, {}
+    for unit in opt.units:
+        master, state = opt.placement.tensors(unit)
+
+        def whole(t):
+            t = to_device(t.detach().float(), opt.device)
+            if not opt.policy.shards_optimizer:
+                return t.clone()
+            out = torch.empty(unit.padded_numel, dtype=t.dtype, device=t.device)
+            opt.comm.all_gather(out, t.contiguous())
+            return out
+
+        full = whole(master)
+        tensors = {k: whole(v) for k, v in state.items()
+                   if torch.is_tensor(v) and v.dim() > 0 and v.shape == master.shape}
+        scalars = {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                   for k, v in state.items() if k not in tensors}
+        for slot in unit.slots:
+            cut = slice(slot.offset, slot.offset + slot.numel)
+            masters[slot.name] = full[cut].view(slot.shape).clone()
+            optim[slot.name] = {**{k: v[cut].view(slot.shape).clone() for k, v in tensors.items()},
+                                **scalars}
+    return masters, optim
 
 
 def _resume(rank, world, save_root):

@@ -29,6 +29,10 @@ parameters, optimizer state, counters, LR scheduler, RNG. Otherwise every rank r
 digests were recorded load with the size checks alone.
 
 Saving is all or nothing too (`save.py`).
+
+A `<tag>` directory with DeepSpeed's files (`mp_rank_00_model_states.pt` or stage 3's
+`zero_pp_rank_0_mp_rank_00_model_states.pt`) and no `zeroshard.json` is a DeepSpeed checkpoint:
+`load_checkpoint` hands it to `portable_load.load_deepspeed`, the one place the two formats meet.
 """
 
 from __future__ import annotations

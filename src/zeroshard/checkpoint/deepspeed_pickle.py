@@ -71,14 +71,21 @@ class ZeroStage(int):
 _STAND_INS = (LossScaler, DynamicLossScaler, FragmentAddress, ZeroStage)
 
 
-def load(path: str, mmap: bool = False) -> dict:
-    """A DeepSpeed `*_states.pt` file as a dict, read with `weights_only=True`; CheckpointError
-    naming the file if it is missing, unreadable or references a class not known here."""
+def load(path: str, mmap: bool = True) -> dict:
+    """A DeepSpeed `*_states.pt` file as a dict, read with `weights_only=True` (memory-mapped:
+    tensors are paged in when read); CheckpointError naming the file if it is missing,
+    unreadable or references a class not known here."""
     if not os.path.isfile(path):
         raise CheckpointError(f"DeepSpeed checkpoint file missing: {path}")
     try:
         with torch.serialization.safe_globals([(cls, cls.ds_name) for cls in _STAND_INS]):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError as err:
+                if not mmap or "mmap" not in str(err):
+                    raise
+                # torch.save's legacy (non-zip) format cannot be mapped: read it whole
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable or unsafe content
         first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
         raise CheckpointError(

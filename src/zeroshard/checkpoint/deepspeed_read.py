@@ -420,7 +420,7 @@ def _optim_files(path: str, names: list[str], world: int, config: dict) -> list[
 
 
 def _optimizer_state(file: str) -> dict:
-    state = deepspeed_pickle.load(file, mmap=True).get("optimizer_state_dict")
+    state = deepspeed_pickle.load(file).get("optimizer_state_dict")
     if not isinstance(state, dict):
         raise CheckpointError(f"{file} has no optimizer_state_dict: not a DeepSpeed ZeRO "
                               "optimizer file")

@@ -281,18 +281,23 @@ def _loss_scaler(ckpt: Portable, dtype: torch.dtype, config: dict):
     if dtype != torch.float16:
         return LossScaler(cur_scale=1.0, dynamic=False), False
     fp16 = config.get("fp16") or {}
+
+    def number(key, default):  # "auto" and other non-numbers (Hugging Face's): DeepSpeed's default
+        value = fp16.get(key, default)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
     state = ckpt.scaler or {}
-    if float(fp16.get("loss_scale", 0) or 0) > 0:
-        return LossScaler(cur_scale=float(fp16["loss_scale"]), dynamic=False), False
+    if number("loss_scale", 0) > 0:
+        return LossScaler(cur_scale=float(number("loss_scale", 0)), dynamic=False), False
     steps = ckpt.counters["global_steps"]
-    scale = float(state.get("scale", 2.0 ** int(fp16.get("initial_scale_power", 16))))
-    hysteresis = int(fp16.get("hysteresis", 2))
+    scale = float(state.get("scale", 2.0 ** number("initial_scale_power", 16)))
+    hysteresis = int(number("hysteresis", 2))
     # zeroshard counts the clean steps since the last overflow; DeepSpeed remembers its iteration.
     clean = int(state.get("clean_steps", steps))
     return DynamicLossScaler(
         cur_scale=scale, dynamic=True, cur_iter=steps, last_overflow_iter=steps - clean - 1,
-        scale_factor=2.0, scale_window=int(fp16.get("loss_scale_window", 1000)),
-        min_scale=fp16.get("min_loss_scale", 1), delayed_shift=hysteresis,
+        scale_factor=2.0, scale_window=int(number("loss_scale_window", 1000)),
+        min_scale=number("min_loss_scale", 1), delayed_shift=hysteresis,
         cur_hysteresis=int(state.get("hysteresis_left", hysteresis)),
-        consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)),
+        consecutive_hysteresis=fp16.get("consecutive_hysteresis") is True,
         raise_error_at_min_scale=True, dtype=torch.float16), True

@@ -296,14 +296,14 @@ def test_a_save_from_ranks_at_different_steps_is_refused():
 def test_leftovers_of_dead_saves_are_removed(saves):
     for got in saves:
         assert got["good"] is None
-        assert got["after_good"] == ["good", "latest"]
+        assert got["after_good"] == ["good", "latest", "zero_to_fp32.py"]
 
 
 def test_a_client_state_one_rank_cannot_store_fails_every_rank_and_leaves_nothing(saves):
     for got in saves:
         assert got["bad_client"] is not None and "rank 1: client_state can only hold" in \
             got["bad_client"], got["bad_client"]
-        assert got["bad_client_listing"] == ["good", "latest"]
+        assert got["bad_client_listing"] == ["good", "latest", "zero_to_fp32.py"]
 
 
 @pytest.mark.parametrize("case", range(len(INJECTED)))
@@ -320,7 +320,8 @@ def test_a_failed_write_on_one_rank_fails_the_save_everywhere(saves, case):
         assert "unexpected pos" not in message and "CheckpointException" not in message
         assert "'latest' still names the previous checkpoint" in message
         # Nothing of the failed save is left; `latest` still names the good one.
-        assert got[f"inject_{case}_listing"] == ["good", "latest"], got[f"inject_{case}_listing"]
+        assert got[f"inject_{case}_listing"] == ["good", "latest", "zero_to_fp32.py"], \
+            got[f"inject_{case}_listing"]
         assert got[f"inject_{case}_latest"] == "good"
 
 
@@ -355,7 +356,8 @@ def test_a_full_disk_fails_the_save_everywhere_and_frees_its_space(saves):
         assert message is not None and "No space left on device" in message, message
         assert "disk full" in message and "bytes free there" in message, message
         assert "CheckpointException" not in message and "unexpected pos" not in message
-        assert full["listing"] == ["first", "latest"] and full["latest"] == "first"
+        assert full["listing"] == ["first", "latest", "zero_to_fp32.py"]
+        assert full["latest"] == "first"
         assert full["free_restored"]
 
 
@@ -461,6 +463,6 @@ def test_a_second_job_on_the_same_directory_is_refused_and_the_first_goes_on(tmp
         assert "give this job another save_dir" in message
     assert first.returncode == 0 and "first job done" in out, err[-2000:]
     assert open(os.path.join(root, "latest")).read() == "mine"
-    assert sorted(os.listdir(root)) == ["latest", "mine", "shared"]
+    assert sorted(os.listdir(root)) == ["latest", "mine", "shared", "zero_to_fp32.py"]
     # The first job has ended: its lock went with it, and the directory is free for another.
     assert run_world(1, _second_job, root) == [None]

@@ -330,7 +330,8 @@ def test_checkpoint_directories(results):
     """ModelCheckpoint writes one zeroshard checkpoint directory per save, and removes them."""
     listing = results[0]["listing"]
     assert list(listing) == ["epoch=3-step=4.ckpt", "epoch=7-step=8.ckpt"]
-    assert all(entries == ["checkpoint", "latest"] for entries in listing.values())
+    assert all(entries == ["checkpoint", "latest", "zero_to_fp32.py"]
+               for entries in listing.values())
     assert results[0]["newest"] == ["epoch=7-step=8.ckpt"]  # top-k removed the older ones
 
 

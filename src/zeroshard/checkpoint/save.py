@@ -8,6 +8,9 @@ a `CheckpointError` on every rank naming the rank, the file and the cause (a ful
 with the bytes free and needed); the partial directory is removed, and the previous checkpoint and
 `latest` are left as they were. Small files are serialized in memory and written with plain I/O,
 so that a full disk reads as one (torch's own file writer says `unexpected pos`).
+
+After a save succeeded, rank 0 writes `save_dir/zero_to_fp32.py` (`recovery_script.py`), as
+DeepSpeed does; failing to write it is a warning, not a failed save.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..dist.process_group import describe_step_counts, step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         release_directory, remove_leftovers, write_file, writer_id)
 from .names import CLIENT, CONFIG, FORMAT, LATEST, META, quiet_dcp, sampler_of
+from .recovery_script import write_script
 from .run_state import check_client_state, rng_state, scheduler_state
 from .verify import CheckpointError, _ranks, agree, gather_digests, owner, seal
 
@@ -169,6 +173,8 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
         }
         error = _finish(save_dir, tag, partial, final,
                         json.dumps(seal(meta), indent=1).encode(), save_latest)
+        if error is None:  # as DeepSpeed copies its own; before any rank returns
+            write_script(save_dir)
     agree(comm, error, prefix="save_checkpoint: ")  # the outcome, on every rank
     return final
 

@@ -29,6 +29,10 @@ parameters, optimizer state, counters, LR scheduler, RNG. Otherwise every rank r
 digests were recorded load with the size checks alone.
 
 Saving is all or nothing too (`save.py`).
+
+A `<tag>` directory with DeepSpeed's files (`mp_rank_00_model_states.pt` or stage 3's
+`zero_pp_rank_0_mp_rank_00_model_states.pt`) and no `zeroshard.json` is a DeepSpeed checkpoint:
+`load_checkpoint` hands it to `portable_load.load_deepspeed`, the one place the two formats meet.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from ..core.hostmem import host_region
 from ..core.layout import plain_named
 from .directory import describe_failure
-from .names import CLIENT, FORMAT, LATEST, META, quiet_dcp, sampler_of
+from .names import CLIENT, FORMAT, LATEST, META, quiet_dcp, sampler_of, unknown_format
 from .run_state import read_rng, set_rng_state
 from .verify import CheckpointError, SafeReader, agree, read_meta, torch_load_verified
 
@@ -110,6 +114,14 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
+    if not os.path.isfile(os.path.join(path, META)):
+        from .deepspeed_read import is_deepspeed  # noqa: PLC0415
+
+        if is_deepspeed(path):  # DeepSpeed's files, not zeroshard's: read them whole per tensor
+            from .portable_load import load_deepspeed  # noqa: PLC0415
+
+            return load_deepspeed(engine, load_dir, tag, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only, strict)
     comm = engine.comm
     with_optim = load_optimizer_states and not load_module_only
     try:
@@ -154,6 +166,8 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist (tag {tag!r} in {load_dir})")
     meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"checkpoint file missing: {meta_path}; {unknown_format(path)}")
     meta = read_meta(meta_path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT}")

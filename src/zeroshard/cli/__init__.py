@@ -1,5 +1,5 @@
 """The `zeroshard` command: `run` (a thin front door onto torchrun, `launch.py`), `demo`
-(`demo.py`), `estimate` and `plan` (`sizing/cli.py`), `consolidate`.
+(`demo.py`), `estimate` and `plan` (`sizing/cli.py`), `consolidate`, `convert` (`convert.py`).
 
 `zeroshard script.py ...` is shorthand for `zeroshard run script.py ...`.
 """
@@ -13,7 +13,7 @@ import sys
 from .. import __version__
 from .launch import UsageError, run_command
 
-COMMANDS = ("run", "demo", "estimate", "plan", "consolidate")
+COMMANDS = ("run", "demo", "estimate", "plan", "consolidate", "convert")
 _TOP_LEVEL_FLAGS = ("-h", "--help", "--version", "-V")
 
 
@@ -81,12 +81,17 @@ def _top_level(argv: list[str]) -> int:
     con.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     con.add_argument("--max-shard-size", default=None,
                      help="split into Hugging Face style shards of at most this size (e.g. 5GB)")
+    from . import convert
+
+    convert.add_parser(sub)
     if not argv:
         parser.print_help()
         return 2
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         return _consolidate(args)
+    if args.command == "convert":
+        return convert.run(args)
     parser.print_help()
     return 2
 

@@ -372,9 +372,9 @@ class DeepSpeedCheckpoint(Portable):
         for rank, start, length in cuts:
             flat = self._flats[rank][j]
             if what not in flat:  # never stepped (stage 0 without a gradient): zeros
-                return torch.zeros(shape)
+                return torch.zeros(shape, device="cpu")
             chunks.append(flat[what][start:start + length])
-        return torch.cat(chunks).float().reshape(shape) if chunks else torch.zeros(shape)
+        return torch.cat(chunks).float().reshape(shape) if chunks else torch.zeros(shape, device="cpu")
 
     def deepspeed_client_state(self, load_optimizer_states: bool = True,
                                load_lr_scheduler_states: bool = True,

@@ -92,7 +92,7 @@ class _Writer:
             value = self.ckpt.tensor(entry)
             if entry.startswith("model."):
                 value = value.to(self.dtype)
-            made[entry] = torch.empty(0, dtype=value.dtype) if empty else value
+            made[entry] = torch.empty(0, dtype=value.dtype, device="cpu") if empty else value
             module[key] = made[entry]
         return module, shared, buffers
 
@@ -120,7 +120,7 @@ class _Writer:
                 out[key] = tensors[key]
             elif key in meta["scalars"]:
                 info = meta["scalars"][key]
-                out[key] = torch.tensor(info["value"], dtype=getattr(
+                out[key] = torch.tensor(info["value"], device="cpu", dtype=getattr(
                     torch, info["dtype"].split(".")[-1])) if info["dtype"] else info["value"]
         return out
 
@@ -139,7 +139,7 @@ class _Writer:
         """`kind` ("model" or a state key) of `names`, end to end, fp32."""
         key = (lambda n: f"model.{n}") if kind == "model" else (lambda n: f"optim.{kind}.{n}")
         parts = [self.ckpt.tensor(key(n)).float().reshape(-1) for n in names]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat(parts) if parts else torch.zeros(0, device="cpu")
 
     # -- stages 0-2 --------------------------------------------------------------------------------
     def stage012(self, tag_dir: str) -> list[str]:
@@ -259,7 +259,7 @@ class _Writer:
             flat = self.ckpt.tensor(key(name)).float().reshape(-1)
             piece = flat[rank * part[name]:(rank + 1) * part[name]]
             pieces.append(torch.cat([piece, piece.new_zeros(part[name] - piece.numel())]))
-        return torch.cat(pieces) if pieces else torch.zeros(0)
+        return torch.cat(pieces) if pieces else torch.zeros(0, device="cpu")
 
 
 def _sub_groups(names: list[str], part: dict, sub_group_size: int) -> list[list[str]]:

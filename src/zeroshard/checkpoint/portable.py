@@ -138,7 +138,8 @@ class ZeroshardCheckpoint(Portable):
                                   "exclude_frozen_parameters, or without optimizer state?)")
         properties = self._saved[stored]
         flat = stored.startswith(("model.", "optim."))
-        out = torch.empty(math.prod(shape) if flat else shape, dtype=properties.properties.dtype)
+        out = torch.empty(math.prod(shape) if flat else shape, dtype=properties.properties.dtype,
+                          device="cpu")
         self._reader.verify_ranges(self._reader.ranges_of([stored]))
         with quiet_dcp():
             dcp.load({stored: out}, storage_reader=self._reader, no_dist=True)

@@ -85,16 +85,14 @@ def test_every_listed_exception_is_a_field():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_overlap_comm_unset_overlaps_at_every_stage(stage):
     from zeroshard.build import _stage_spec
-    from zeroshard.config.schema import load_config as load
 
-    zero = load({"train_batch_size": 1, "zero_optimization": {"stage": stage}}).zero_optimization
-    assert zero.overlap_comm is None and DEEPSPEED["zero_optimization"]["overlap_comm"] is False
-    off = load({"train_batch_size": 1,
-                "zero_optimization": {"stage": stage, "overlap_comm": False}})
-    spec = _stage_spec(off, _Placement(), [], None, None)
-    assert spec.overlap_comm is False
-    assert _stage_spec(load({"train_batch_size": 1, "zero_optimization": {"stage": stage}}), _Placement(), [], None,
-                       None).overlap_comm is True
+    on = load_config({"train_batch_size": 1, "zero_optimization": {"stage": stage}})
+    assert on.zero_optimization.overlap_comm is None
+    assert DEEPSPEED["zero_optimization"]["overlap_comm"] is False
+    off = load_config({"train_batch_size": 1,
+                       "zero_optimization": {"stage": stage, "overlap_comm": False}})
+    assert _stage_spec(off, _Placement(), [], None, None).overlap_comm is False
+    assert _stage_spec(on, _Placement(), [], None, None).overlap_comm is True
 
 
 class _Placement:

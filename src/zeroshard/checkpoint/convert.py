@@ -59,17 +59,12 @@ def _check_dst(dst: str) -> None:
 
 def _source(src: str, tag: str | None) -> tuple[str, str]:
     """`(tag, src/tag)`; CheckpointError if there is no such checkpoint."""
-    from .sharded import resolve_tag  # noqa: PLC0415
+    from .consolidate import tag_path  # noqa: PLC0415
 
     if not os.path.isdir(src):
         raise CheckpointError(f"{src} does not exist or is not a directory")
-    found = resolve_tag(src, tag)
-    if found is None:
-        raise CheckpointError(f"{src} has no '{LATEST}' file; pass --tag")
-    path = os.path.join(src, found)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist (tag {found!r} in {src})")
-    return found, path
+    path = tag_path(src, tag)
+    return os.path.basename(path), path
 
 
 def convert(src: str, dst: str, *, to: str | None = None, from_: str | None = None,

@@ -20,7 +20,7 @@ import torch
 
 from ..core.layout import plain_named
 from .portable import Portable
-from .verify import CheckpointError, agree
+from .verify import CheckpointError, agree, strict_mismatch
 
 __all__ = ["load_deepspeed", "install"]
 
@@ -112,14 +112,7 @@ def check(engine, ckpt: Portable, with_optim: bool, strict: bool) -> None:
         extra += sorted(set(ckpt.buffers) - buffers)
         persistent = set(engine.module.state_dict().keys())
         lacking = sorted(b for b in buffers - set(ckpt.buffers) if b in persistent)
-        if extra or lacking:
-            what = "; ".join(part for part in (
-                f"the checkpoint has {extra[:5]} ({len(extra)} in all), which this model lacks"
-                if extra else "",
-                f"this model has buffers {lacking[:5]} ({len(lacking)} in all) that the "
-                "checkpoint lacks" if lacking else "") if part)
-            raise CheckpointError(f"{where}: {what}. Nothing was loaded; load_checkpoint(..., "
-                                  "load_module_strict=False) loads what both have")
+        strict_mismatch(where, extra, lacking)
 
 
 class _OnDemand(dict):

@@ -49,7 +49,8 @@ from ..core.layout import plain_named
 from .directory import describe_failure
 from .names import CLIENT, FORMAT, LATEST, META, quiet_dcp, sampler_of, unknown_format
 from .run_state import read_rng, set_rng_state
-from .verify import CheckpointError, SafeReader, agree, read_meta, torch_load_verified
+from .verify import (CheckpointError, SafeReader, agree, read_meta, strict_mismatch,
+                     torch_load_verified)
 
 __all__ = ["CheckpointError", "SafeReader", "load_checkpoint", "quiet_dcp", "resolve_tag",
            "save_checkpoint"]
@@ -222,14 +223,7 @@ def _check_strict(engine, meta, saved_keys: set, path: str) -> None:
     saved_buffers = {k for k in saved_keys if k.startswith("buffer.")}
     extra += sorted(k.split(".", 1)[1] for k in saved_buffers - buffers)
     lacking = sorted(k.split(".", 1)[1] for k in buffers - saved_buffers)
-    if extra or lacking:
-        what = "; ".join(part for part in (
-            f"the checkpoint has {extra[:5]} ({len(extra)} in all), which this model lacks"
-            if extra else "",
-            f"this model has buffers {lacking[:5]} ({len(lacking)} in all) that the checkpoint "
-            "lacks" if lacking else "") if part)
-        raise CheckpointError(f"{path}: {what}. Nothing was loaded; load_checkpoint(..., "
-                              "load_module_strict=False) loads what both have")
+    strict_mismatch(path, extra, lacking)
 
 
 def _check_params(sharded, meta, meta_path) -> None:

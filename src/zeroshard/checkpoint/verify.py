@@ -56,6 +56,20 @@ class CheckpointError(RuntimeError):
 
 # -- digests -----------------------------------------------------------------------------------
 
+def strict_mismatch(where: str, extra: list[str], lacking: list[str]) -> None:
+    """load_module_strict: raise CheckpointError naming what the checkpoint holds and the model
+    lacks (`extra`) and the model's buffers the checkpoint lacks (`lacking`); nothing if neither."""
+    if not extra and not lacking:
+        return
+    what = "; ".join(part for part in (
+        f"the checkpoint has {extra[:5]} ({len(extra)} in all), which this model lacks"
+        if extra else "",
+        f"this model has buffers {lacking[:5]} ({len(lacking)} in all) that the checkpoint "
+        "lacks" if lacking else "") if part)
+    raise CheckpointError(f"{where}: {what}. Nothing was loaded; load_checkpoint(..., "
+                          "load_module_strict=False) loads what both have")
+
+
 def file_digest(path: str) -> dict:
     """`{"bytes": n, "sha256": hex}` of a file, read in 4 MiB chunks."""
     digest, size = hashlib.sha256(), 0

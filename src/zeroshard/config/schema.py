@@ -205,18 +205,15 @@ class ZeroOptimizationConfig(_Block):
 
     @model_validator(mode="after")
     def _legacy_cpu_offload(self):
-        if self.cpu_offload:
-            if self.offload_optimizer is None:
-                self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
-            elif self.offload_optimizer.device != "cpu":
-                raise ValueError("cpu_offload=true contradicts offload_optimizer.device="
-                                 f"'{self.offload_optimizer.device}'; drop cpu_offload")
-        if self.cpu_offload_param:
-            if self.offload_param is None:
-                self.offload_param = OffloadParamConfig(device="cpu")
-            elif self.offload_param.device != "cpu":
-                raise ValueError("cpu_offload_param=true contradicts offload_param.device="
-                                 f"'{self.offload_param.device}'; drop cpu_offload_param")
+        for switch, key, block in (("cpu_offload", "offload_optimizer", OffloadOptimizerConfig),
+                                   ("cpu_offload_param", "offload_param", OffloadParamConfig)):
+            if not getattr(self, switch):
+                continue
+            if getattr(self, key) is None:
+                setattr(self, key, block(device="cpu"))
+            elif getattr(self, key).device != "cpu":
+                raise ValueError(f"{switch}=true contradicts {key}.device="
+                                 f"'{getattr(self, key).device}'; drop {switch}")
         return self
 
 

@@ -8,7 +8,7 @@ need pytest < 9):
 * `zeroshard`: with zeroshard's `_deepspeed_shim` first on PYTHONPATH, exactly as under
   `zeroshard run`, so `import deepspeed` is zeroshard.
 
-Both run on CPU (`DS_ACCELERATOR=cpu`, gloo). Each test's outcome is read from a JUnit XML file
+Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run). Each test's outcome is read from a JUnit XML file
 and the table printed (and, with `--markdown FILE`, written) counts: tests DeepSpeed passes, of
 those the ones zeroshard passes, and each test zeroshard fails with the first line of its error.
 
@@ -28,9 +28,12 @@ from pathlib import Path
 SHIM = Path(__file__).resolve().parents[2] / "src/zeroshard/compat/deepspeed/_deepspeed_shim"
 
 
-def run(engine: str, python: str, tests: Path, files: list[str], out: Path, timeout: int) -> dict:
+def run(engine: str, python: str, tests: Path, files: list[str], out: Path, timeout: int,
+        local_size: int) -> dict:
     """Run `files` under `engine`; returns {test id: (outcome, first line of the message)}."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    # DeepSpeed's CPU accelerator counts LOCAL_SIZE devices: without it every multi-rank test
+    # is skipped as "not enough GPUs".
+    env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(local_size))
     if engine == "zeroshard":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")]))
     xml = out / f"{engine}.xml"
@@ -86,10 +89,13 @@ def main() -> None:
     parser.add_argument("--engines", default="deepspeed,zeroshard")
     parser.add_argument("--timeout", type=int, default=4 * 3600)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--local-size", type=int, default=2,
+                        help="devices DeepSpeed's CPU accelerator reports: the largest world run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # An engine left out of --engines is read from the XML of an earlier run in --out.
-    results = {engine: run(engine, args.python, args.tests, args.files, args.out, args.timeout)
+    results = {engine: run(engine, args.python, args.tests, args.files, args.out, args.timeout,
+                           args.local_size)
                for engine in args.engines.split(",") if engine}
     missing = [e for e in ("deepspeed", "zeroshard")
                if e not in results and not (args.out / f"{e}.xml").exists()]

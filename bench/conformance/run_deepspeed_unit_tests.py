@@ -8,8 +8,8 @@ need pytest < 9):
 * `zeroshard`: with zeroshard's `_deepspeed_shim` first on PYTHONPATH, exactly as under
   `zeroshard run`, so `import deepspeed` is zeroshard.
 
-Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run). Each test's outcome is read from a JUnit XML file
-and the table printed (and, with `--markdown FILE`, written) counts: tests DeepSpeed passes, of
+Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run). Each
+test's outcome is read from a JUnit XML file and the table printed (and, with `--markdown FILE`, written) counts: tests DeepSpeed passes, of
 those the ones zeroshard passes, and each test zeroshard fails with the first line of its error.
 
     python bench/conformance/run_deepspeed_unit_tests.py --python /work/dsvenv/bin/python \

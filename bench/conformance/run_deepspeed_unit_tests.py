@@ -9,8 +9,9 @@ need pytest < 9):
   `zeroshard run`, so `import deepspeed` is zeroshard.
 
 Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run). Each
-test's outcome is read from a JUnit XML file and the table printed (and, with `--markdown FILE`, written) counts: tests DeepSpeed passes, of
-those the ones zeroshard passes, and each test zeroshard fails with the first line of its error.
+test's outcome is read from a JUnit XML file and the table printed (and, with `--markdown FILE`,
+written) counts the tests DeepSpeed passes, of those the ones zeroshard passes, and lists each
+test zeroshard fails with the first line of its error.
 
     python bench/conformance/run_deepspeed_unit_tests.py --python /work/dsvenv/bin/python \
         --tests /path/to/DeepSpeed/tests unit/runtime/zero/test_zero_leaf_module.py ...

@@ -8,7 +8,9 @@ parameters and nothing is gathered.
 On exit, with `modifier_rank` set, that rank's in-place changes are broadcast to every rank, copied
 into this rank's shard (stage 3) and into the fp32 master shards, so the next optimizer step does
 not overwrite them. Without `modifier_rank`, changes to sharded parameters are discarded when the
-unit is freed (stage 3), and stay local to each rank at stages 0-2, as in DeepSpeed.
+unit is freed (stage 3), and stay local to each rank at stages 0-2, as in DeepSpeed; with
+`zero_optimization.enable_sanity_checks` such an in-place change to a stage-3 parameter is an
+error on every rank instead (core/sanity.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..dist import Comm, default_device
 from .init_units import gather_init_units
 from .layout import INIT_ATTR, plain_name
 from .owners import owner_of
+from .sanity import refuse_in_place_writes, snapshot
 
 
 def _as_list(params) -> list[nn.Parameter]:
@@ -57,6 +60,8 @@ class GatheredParameters:
         for policy, indices in self._pinned.values():
             policy.pin(indices)
         self._init_units = gather_init_units(self.params)
+        # Taken once gathered: the gather itself re-points `.data`.
+        self._snapshot = snapshot(self.params) if self.modifier_rank is None else []
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -65,6 +70,8 @@ class GatheredParameters:
         try:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
+            elif self._snapshot and exc_type is None:
+                refuse_in_place_writes(self._snapshot, _comm_of(self._snapshot[0][0]))
         finally:
             for policy, indices in self._pinned.values():
                 policy.unpin(indices)

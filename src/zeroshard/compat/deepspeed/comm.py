@@ -19,6 +19,9 @@ from ...dist.hostpolicy import HostMemoryError, strict_host  # noqa: F401 (publi
 from ...dist.process_group import env_int, init_distributed, leave_cleanly_at_exit  # noqa: F401
 
 ReduceOp = dist.ReduceOp
+# torch >= 2.13's names for these (its *_tensor names warn that they are deprecated there).
+_ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 #: DeepSpeed's name for "the default group".
 WORLD = None
 
@@ -147,7 +150,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, gr
     if not is_initialized():
         output_tensor.copy_(tensor.reshape(output_tensor.shape))
         return None
-    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return _ALL_GATHER_INTO_TENSOR(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM,
@@ -156,8 +159,7 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=
     if not is_initialized():
         output_tensor.copy_(tensor.reshape(output_tensor.shape))
         return None
-    return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
-                                      async_op=async_op)
+    return _REDUCE_SCATTER_TENSOR(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None,

@@ -170,6 +170,42 @@ def _nesting(ds, rank: int, world: int, out: dict) -> None:
     engine.destroy()
 
 
+def _replaced(ds, rank: int, world: int, out: dict) -> None:
+    """`p.data = new` (not a write in place) on the modifier rank is published as well."""
+    with ds.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        lin = nn.Linear(4, 4)
+    with ds.zero.GatheredParameters(lin.weight, modifier_rank=1):
+        lin.weight.data = torch.full((4, 4), 5.0 + rank)  # rank 0's is dropped
+    with ds.zero.GatheredParameters(lin.weight):
+        out["replaced init"] = bool((lin.weight == 6.0).all())
+
+    def wrong_shape():
+        with ds.zero.GatheredParameters(lin.weight, modifier_rank=0):
+            if rank == 0:
+                lin.weight.data = torch.zeros(2, 2)
+    try:
+        wrong_shape()
+        refused = False
+    except ValueError as err:
+        refused = "modifier rank 0" in str(err) and "weight" in str(err)
+    out["wrong shape refused on its rank"] = refused == (rank == 0)
+    with ds.zero.GatheredParameters(lin.weight):
+        out["wrong shape left values"] = bool((lin.weight == 6.0).all())
+    for stage in (1, 3):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD",
+                                                                 "params": {"lr": 0.0}},
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        model = nn.Linear(4, 4)
+        engine, *_ = ds.initialize(model=model, config=cfg)
+        with ds.zero.GatheredParameters(model.weight, modifier_rank=0):
+            model.weight.data = torch.full((4, 4), 2.0)
+        engine.backward(engine(torch.ones(1, 4)).sum())
+        engine.step()  # lr 0: what the step writes back must be the published value
+        with ds.zero.GatheredParameters(model.weight):
+            out[f"replaced engine stage {stage}"] = bool((model.weight == 2.0).all())
+        engine.destroy()
+
+
 def _sanity(ds, rank: int, world: int, out: dict) -> None:
     with ds.zero.Init(config_dict_or_path=SANITY):
         net = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
@@ -247,7 +283,7 @@ def _comm(ds, rank: int, world: int, out: dict) -> None:
 def _all(rank: int, world: int) -> dict:
     ds = _deepspeed()
     out: dict = {}
-    for case in (_attributes, _configs, _nesting, _sanity, _comm):  # _comm ends the group
+    for case in (_attributes, _configs, _nesting, _replaced, _sanity, _comm):  # _comm: last
         case(ds, rank, world, out)
     return out
 
@@ -262,7 +298,9 @@ GROUPS = {
     "init attributes": ["not available", "empty shape", "ds_shape", "ds_id distinct",
                         "half dtype", "ds_tensor 1-D", "ds_tensor slices", "outside untouched",
                         "available inside", "freed after"],
-    "modifier rank": ["modifier shard", "modifier gathered", "none discarded"],
+    "modifier rank": ["modifier shard", "modifier gathered", "none discarded", "replaced init",
+                      "wrong shape refused on its rank", "wrong shape left values",
+                      "replaced engine stage 1", "replaced engine stage 3"],
     "config and module": ["config dtypes", "dtype argument wins", "subclass params",
                           "module= partitions", "module= values", "stage 2 plain"],
     "nesting": ["nested partitioned once", "engine trains", "after context"],

@@ -7,10 +7,10 @@ parameters and nothing is gathered.
 
 On exit, with `modifier_rank` set, that rank's changes (in place, or a `.data` replaced by a tensor
 of the same shape) are broadcast to every rank, copied into this rank's shard (stage 3) and into
-the fp32 master shards, so the next optimizer step does not overwrite them. Without `modifier_rank`, changes to sharded parameters are discarded when the
-unit is freed (stage 3), and stay local to each rank at stages 0-2, as in DeepSpeed; with
-`zero_optimization.enable_sanity_checks` such an in-place change to a stage-3 parameter is an
-error on every rank instead (core/sanity.py).
+the fp32 master shards, so the next optimizer step does not overwrite them. Without
+`modifier_rank`, changes to sharded parameters are discarded when the unit is freed (stage 3), and
+stay local to each rank at stages 0-2, as in DeepSpeed; with `zero_optimization.enable_sanity_checks`
+such an in-place change to a stage-3 parameter is an error on every rank instead (core/sanity.py).
 """
 from __future__ import annotations
 

@@ -120,9 +120,8 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
 
 def _init_explicit(backend, init_method: str, rank: int, world_size: int, timeout) -> None:
     """The default group from a rendezvous the caller names (DeepSpeed's test harness passes a
-    file store): the environment's RANK / WORLD_SIZE are filled in for code that reads them."""
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    file store): RANK / WORLD_SIZE in the environment are set to match, for code that reads them."""
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     local_rank = env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if backend is None:

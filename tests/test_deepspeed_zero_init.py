@@ -343,14 +343,18 @@ def test_init_starts_the_process_group_and_explicit_rendezvous():
 
     if torch_dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.pop(k, None) for k in rendezvous}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             dist.init_distributed(dist_backend="gloo", init_method=f"file://{tmp}/store",
                                   rank=0, world_size=1)
             assert dist.is_initialized() and dist.get_world_size() == 1
+            assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1")
             dist.destroy_process_group()
         assert not dist.is_initialized()
+        for key in rendezvous:  # a plain `python script.py`: a world of one on a free port
+            os.environ.pop(key, None)
         with Init():
             assert dist.is_initialized()
             lin = nn.Linear(3, 3)
@@ -361,5 +365,6 @@ def test_init_starts_the_process_group_and_explicit_rendezvous():
     finally:
         dist.destroy_process_group()
         for key, value in saved.items():
+            os.environ.pop(key, None)
             if value is not None:
                 os.environ[key] = value

@@ -115,7 +115,7 @@ MEANING: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ: reduce gradients quantized, hierarchically.",
     "zero_optimization.mics_shard_size": "MiCS: shard over groups of this many ranks and replicate across groups; -1 is off.",
     "zero_optimization.memory_efficient_linear": "Stage 3: a linear layer that saves less for backward.",
-    "zero_optimization.enable_sanity_checks": "Extra cross-rank assertions for debugging (stage 3: every rank reduces the same parameters).",
+    "zero_optimization.enable_sanity_checks": "Extra checks for debugging; stage 3: an in-place change to gathered parameters inside GatheredParameters with modifier_rank=None raises on every rank.",
     # aio
     "aio.block_size": "Bytes per I/O request.",
     "aio.queue_depth": "Requests in flight per thread.",

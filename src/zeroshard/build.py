@@ -29,6 +29,7 @@ from .core.agreement import check_ranks_agree
 from .core.desync import watch_collectives
 from .core.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.layout import INIT_ATTR
+from .core.sanity import check_in_place_writes
 from .core.hostsync import HostSyncs
 from .core.mics import mics_comms, sync_replicas
 from .core.no_optimizer import NoPlacement, is_placeholder, make_no_placement, placeholder_optimizer
@@ -174,6 +175,8 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
     if getattr(torch_opt, "_zeroshard_muon", False):  # matrices dealt out to owner ranks
         muon = MuonExchange(units, opt_comm, torch_opt, sharded=policy.shards_optimizer,
                             momentum_dtype=_master_dtype(cfg), on_host=placement.name != "device")
+    if zero.stage == 3 and zero.enable_sanity_checks:
+        check_in_place_writes(p for unit in every for p in unit.params())
     return ZeroOptimizer(model, torch_opt, opt_comm, units, policy, placement,
                          clip_norm=cfg.gradient_clipping, scaler=scaler, syncs=syncs,
                          world_comm=comm,  # GatheredParameters' modifier_rank numbers the world

@@ -86,9 +86,9 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "contiguous_gradients", lambda v, c: not v,
      "{full}=false has no effect: zeroshard's gradients always live in contiguous flat "
      "buffers; ignored"),
-    ("zero_optimization", "enable_sanity_checks", lambda v, c: v,
-     "{full}=true has no effect in zeroshard (its collectives always name their unit to the "
-     "desync watchdog, which reports ranks that diverge: zeroshard_desync_timeout); ignored"),
+    ("zero_optimization", "enable_sanity_checks", lambda v, c: v and c.zero_optimization.stage < 3,
+     "{full}=true has no effect below ZeRO stage 3 (it makes GatheredParameters refuse in-place "
+     "writes to partitioned parameters under modifier_rank=None); ignored at stage {stage}"),
     ("", "zero_allow_untested_optimizer", lambda v, c: v,
      "{full} has no effect in zeroshard (any elementwise torch.optim optimizer is sharded); "
      "ignored"),

@@ -5,10 +5,12 @@ the listed parameters are gathered on entry and kept gathered (pinned) until exi
 hooks inside the context do not free them. At stages 0-2 every rank already holds whole
 parameters and nothing is gathered.
 
-On exit, with `modifier_rank` set, that rank's in-place changes are broadcast to every rank, copied
-into this rank's shard (stage 3) and into the fp32 master shards, so the next optimizer step does
-not overwrite them. Without `modifier_rank`, changes to sharded parameters are discarded when the
-unit is freed (stage 3), and stay local to each rank at stages 0-2, as in DeepSpeed.
+On exit, with `modifier_rank` set, that rank's changes (in place, or a `.data` replaced by a tensor
+of the same shape) are broadcast to every rank, copied into this rank's shard (stage 3) and into
+the fp32 master shards, so the next optimizer step does not overwrite them. Without
+`modifier_rank`, changes to sharded parameters are discarded when the unit is freed (stage 3), and
+stay local to each rank at stages 0-2, as in DeepSpeed; with `zero_optimization.enable_sanity_checks`
+such an in-place change to a stage-3 parameter is an error on every rank instead (core/sanity.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..dist import Comm, default_device
 from .init_units import gather_init_units
 from .layout import INIT_ATTR, plain_name
 from .owners import owner_of
+from .sanity import refuse_in_place_writes, snapshot
 
 
 def _as_list(params) -> list[nn.Parameter]:
@@ -57,6 +60,8 @@ class GatheredParameters:
         for policy, indices in self._pinned.values():
             policy.pin(indices)
         self._init_units = gather_init_units(self.params)
+        # Taken once gathered: the gather itself re-points `.data`.
+        self._snapshot = snapshot(self.params) if self.modifier_rank is None else []
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -65,6 +70,8 @@ class GatheredParameters:
         try:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
+            elif self._snapshot and exc_type is None:
+                refuse_in_place_writes(self._snapshot, _comm_of(self._snapshot[0][0]))
         finally:
             for policy, indices in self._pinned.values():
                 policy.unpin(indices)
@@ -77,7 +84,9 @@ class GatheredParameters:
             raise ValueError(f"GatheredParameters: modifier_rank {self.modifier_rank} is not a rank "
                              f"of this world of {world}")
         device = default_device()
+        rank = dist.get_rank() if world > 1 else 0
         with torch.no_grad():
+            wrong = _reseat(self.params, keep=rank == self.modifier_rank)
             for param in self.params if world > 1 else ():
                 data = param.data
                 if data.device == device:
@@ -87,9 +96,38 @@ class GatheredParameters:
                     _comm_of(param).broadcast(moved, src=self.modifier_rank)
                     data.copy_(moved)
             for unit in self._init_units:
-                unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(dist.get_rank()
-                                                                    if world > 1 else 0))])
+                unit.shard.copy_(unit.flat[slice(*unit.shard_bounds(rank))])
             _refresh_masters(self.params)
+        if wrong:
+            raise ValueError(
+                f"GatheredParameters: on modifier rank {rank} parameters were given data of "
+                f"another shape inside the context ({'; '.join(wrong[:3])}); their values were "
+                "left unchanged on every rank. Write values of the laid-out shape "
+                "(param.data.copy_(...)), or change the model's shapes before zeroshard.Init / "
+                "initialize()")
+
+
+def _reseat(params: list[nn.Parameter], keep: bool) -> list[str]:
+    """Point parameters whose `.data` was replaced inside the context (`p.data = new`, not a
+    write in place) back at their unit's buffer, which is what is broadcast, sharded and trained;
+    with `keep` (the modifier rank) the new values are copied into it first. Returns the names of
+    replacements of the wrong shape, left out: raising here, before the broadcast the other ranks
+    are already in, would leave them waiting."""
+    wrong = []
+    for param in params:
+        unit = _unit_of(param)
+        if unit is None or not unit.is_gathered:
+            continue
+        slot = next(s for s in unit.slots if s.param is param)
+        view = unit.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if param.data.data_ptr() == view.data_ptr() and param.data.shape == view.shape:
+            continue
+        if keep and param.data.shape == slot.shape:
+            view.copy_(param.data)
+        elif keep:
+            wrong.append(f"{slot.name}: {tuple(param.data.shape)} for {tuple(slot.shape)}")
+        param.data = view
+    return wrong
 
 
 def _unit_of(param: nn.Parameter):

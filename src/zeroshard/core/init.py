@@ -34,13 +34,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import Comm, default_device, init_distributed
+from ..dist.comm import computes_in_fp16
 from ..config.schema import load_config, read_raw
 from .hostmem import return_freed_memory
 # init_units, take_full and gather_init_units are re-exported (their users import them from here).
 from .init_units import (gather_init_units, init_units, partition_parameter,  # noqa: F401
                          take_full)
 from .layout import INIT_ATTR
-from .owners import owner_of
+from .owners import is_managed, owner_of
+from .sanity import check_in_place_writes
 
 # Host memory freed by partitioning, in bytes, after which it is handed back to the OS.
 TRIM_BYTES = 4 << 20
@@ -80,25 +82,53 @@ def _without_auto(raw: dict) -> dict:
             if v != "auto"}
 
 
-def _init_stage(source, world_size: int) -> int:
-    """The ZeRO stage of a config handed to Init. As in DeepSpeed, "auto" values (Hugging Face's
+def _init_config(source, world_size: int):
+    """The config handed to Init, validated. As in DeepSpeed, "auto" values (Hugging Face's
     bucket and batch sizes, resolved only when the engine is built) are left out here; the rest is
     checked, quietly: initialize() reports its notices."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_config(_without_auto(read_raw(source)), world_size).zero_optimization.stage
+        return load_config(_without_auto(read_raw(source)), world_size)
+
+
+def half_dtype() -> torch.dtype:
+    """DeepSpeed's parameter dtype for `zero.Init()` without a config or dtype: fp16 where the
+    compute device has fp16 kernels, bf16 elsewhere (a CPU without them)."""
+    return torch.float16 if computes_in_fp16(default_device()) else torch.bfloat16
 
 
 class Init:
-    """Construct models partitioned across ranks (stage 3); plain construction at stages 0-2."""
+    """Construct models partitioned across ranks (stage 3); plain construction at stages 0-2.
+
+    As DeepSpeed's `zero.Init`: without a config it partitions (stage 3), and floating-point
+    parameters are kept in `dtype`, else the config's precision (fp16 / bf16 / fp32), else
+    `half_dtype()`; `module=` partitions an already-built module at once; `enabled=False`, a
+    config whose stage is below 3, or a context nested in an active one builds plainly (the outer
+    context partitions what is built).
+    """
 
     def __init__(self, config=None, config_dict_or_path=None, enabled: bool = True,
-                 remote_device=None, **_ignored):
+                 remote_device=None, module: nn.Module | None = None,
+                 dtype: torch.dtype | None = None, **_ignored):
+        if isinstance(config, nn.Module) and module is None:  # DeepSpeed's first positional
+            module, config = config, None
         source = config if config is not None else config_dict_or_path
-        stage = 0
+        stage, self.sanity_checks = 3, False
+        self.dtype = dtype
+        if enabled:
+            init_distributed()  # as DeepSpeed's Init: torchrun's environment, or a world of 1
         if enabled and source is not None:
-            init_distributed()  # as initialize() would: torchrun's environment, or a world of 1
-            stage = _init_stage(source, dist.get_world_size())
+            cfg = _init_config(source, dist.get_world_size())
+            stage = cfg.zero_optimization.stage
+            self.sanity_checks = cfg.zero_optimization.enable_sanity_checks
+            if dtype is None:
+                self.dtype = torch.float16 if cfg.fp16.enabled else \
+                    torch.bfloat16 if cfg.bf16.enabled else torch.float32
+        elif enabled and dtype is None:
+            self.dtype = half_dtype()
+        if enabled and self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"zeroshard.Init: dtype {self.dtype} is not one of torch.float16, "
+                             "torch.bfloat16, torch.float32 (DeepSpeed's choices)")
         # Nested inside an active Init (a model_init that calls integrations.hf.from_pretrained
         # under ZeroTrainer's Init): the outer context already partitions everything built.
         self.enabled = enabled and stage == 3 and not init_active()
@@ -106,13 +136,21 @@ class Init:
         self._depth: dict[int, int] = {}
         self._building: list[list[nn.Module]] = []  # per constructor running: finished children
         self._versions: dict[int, int] = {}  # id(param) -> its version when partitioned
+        if self.enabled:
+            self.comm = Comm()
+            self.device = default_device()
+            self._freed = 0  # host bytes freed since memory was last handed back
+        if module is not None and self.enabled:
+            self._flush([module])
+            return_freed_memory()
+            for find in _LIBRARY_HOOKS:
+                hooks = find()
+                if hooks is not None:
+                    hooks.model_built(module)
 
     def __enter__(self):
         if not self.enabled:
             return self
-        self.comm = Comm()
-        self.device = default_device()
-        self._freed = 0  # host bytes freed since memory was last handed back
         for cls in [nn.Module, *_subclasses(nn.Module)]:
             self._wrap(cls)
         self._had_init_subclass = "__init_subclass__" in nn.Module.__dict__
@@ -242,7 +280,10 @@ class Init:
     def _partition(self, module: nn.Module) -> None:
         """Keep only this rank's slice of each of `module`'s own trainable parameters."""
         for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad or hasattr(param, INIT_ATTR) or param.numel() == 0:
+            if (not param.requires_grad or hasattr(param, INIT_ATTR) or param.numel() == 0
+                    or is_managed(param)):
+                # Already partitioned, or an engine's (initialize() called inside the context
+                # builds modules of its own around the model).
                 continue
             if param.is_meta:
                 raise RuntimeError(
@@ -252,7 +293,10 @@ class Init:
                     "path, config=ds_config), which builds under Init and streams the weights.")
             if param.device.type == "cpu":
                 self._freed += param.numel() * param.element_size()
-            partition_parameter(param, name, type(module).__name__, self.comm, self.device)
+            partition_parameter(param, name, type(module).__name__, self.comm, self.device,
+                                self.dtype)
+            if self.sanity_checks:
+                check_in_place_writes([param])
             self._versions[id(param)] = param._version
 
 

@@ -15,15 +15,18 @@ from .layout import INIT_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_sta
 
 
 def partition_parameter(param: nn.Parameter, name: str, owner: str, comm: Comm,
-                        device: torch.device) -> None:
-    """Make `param` its own construction unit holding only this rank's 1/N slice.
+                        device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Make `param` its own construction unit holding only this rank's 1/N slice (in `dtype`
+    if the parameter is floating point and `dtype` is given, as DeepSpeed's Init casts).
 
     The parameter is copied to the compute device (a no-op when it was built there or the device
     is the CPU), rank 0's values are broadcast into that copy, the slice is copied out, and every
-    full-size copy is dropped.
+    full-size copy is dropped. Like DeepSpeed's, the parameter then has `ds_tensor`, this rank's
+    slice (1-D, padded), until an engine takes it over.
     """
     numel = param.numel()
-    unit = Unit(-1, -1, param.dtype, [Slot(param, name, 0, numel, param.shape)],
+    kept_dtype = dtype if dtype is not None and param.is_floating_point() else param.dtype
+    unit = Unit(-1, -1, kept_dtype, [Slot(param, name, 0, numel, param.shape)],
                 comm.world_size, numel=numel,
                 padded_numel=padded_size(numel, comm.world_size), device=device)
     unit.owner = owner
@@ -31,12 +34,21 @@ def partition_parameter(param: nn.Parameter, name: str, owner: str, comm: Comm,
     data = to_device(mark_cpu_as_host(param.data).reshape(-1), device)
     comm.broadcast(data, src=0)
     lo, hi = unit.shard_bounds(comm.rank)
-    unit.shard = torch.zeros(hi - lo, dtype=param.dtype, device=device)
+    unit.shard = torch.zeros(hi - lo, dtype=kept_dtype, device=device)
     kept = max(0, min(hi, numel) - lo)
     unit.shard[:kept].copy_(data[lo:lo + kept])
     del data
     unit.release()
     setattr(param, INIT_ATTR, (unit, comm))
+    param.ds_tensor = unit.shard
+
+
+def leave_init_unit(param: nn.Parameter) -> None:
+    """Forget `param`'s construction unit (an engine or whole storage takes over): its slice
+    goes with the last reference, `ds_tensor` included."""
+    delattr(param, INIT_ATTR)
+    if hasattr(param, "ds_tensor"):
+        del param.ds_tensor
 
 
 def partition_new_parameters(model: nn.Module) -> None:
@@ -86,7 +98,7 @@ def take_full(params) -> None:
         for slot, view in unit.views(unit.flat):
             if id(slot.param) in wanted:
                 slot.param.data = view.clone()
-                delattr(slot.param, INIT_ATTR)
+                leave_init_unit(slot.param)
         # The parameters that left keep their copies; the rest stay partitioned.
         unit.slots = [s for s in unit.slots if id(s.param) not in wanted]
         unit.release()

@@ -21,6 +21,7 @@ import torch
 from ..dist import Comm
 from .hostmem import return_freed_memory
 from .init import take_full
+from .init_units import leave_init_unit
 from .layout import INIT_ATTR, Unit, flatten
 
 
@@ -91,5 +92,5 @@ def relay_init_shards(unit: Unit, comm: Comm) -> None:
     unit.shard = shard
     unit.flat = torch.empty(unit.padded_numel, dtype=unit.dtype, device=device)
     for slot in unit.slots:
-        delattr(slot.param, INIT_ATTR)  # its construction slice goes with the last reference
+        leave_init_unit(slot.param)  # its construction slice goes with the last reference
     unit.release()

@@ -63,6 +63,17 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def computes_in_fp16(device: torch.device) -> bool:
+    """Whether `device` has fp16 kernels (DeepSpeed's rule: a GPU of compute capability 7.0 or
+    newer, a CPU whose oneDNN has fp16 kernels); the accelerators' `is_fp16_supported`."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 7
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def wait_all(handles) -> None:
     """Wait for every async collective handle (None entries are already complete)."""
     for handle in handles:

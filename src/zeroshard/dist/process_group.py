@@ -60,19 +60,28 @@ def env_int(*names: str) -> int | None:
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
                      dist_backend: str | None = None, distributed_port: int | None = None,
-                     verbose: bool = True, **_ignored) -> None:
+                     verbose: bool = True, init_method: str | None = None, rank: int = -1,
+                     world_size: int = -1, **_ignored) -> None:
     """Start the default process group from torchrun's (or Slurm's) environment; no-op if started.
 
     DeepSpeed's spellings are accepted: `dist_backend` for `backend`, `distributed_port` for the
-    rendezvous port when the environment gives none; `verbose` and other keywords are ignored.
+    rendezvous port when the environment gives none, and an explicit `init_method` (a `file://`
+    or `tcp://` rendezvous) with `rank` and `world_size`, which then win over the environment;
+    `verbose` and other keywords are ignored.
     """
     if dist.is_available() and dist.is_initialized():
         return
     backend = backend or dist_backend
+    if init_method is not None:
+        if rank < 0 or world_size < 1:
+            raise ValueError(f"init_distributed: init_method={init_method!r} needs rank and "
+                             f"world_size as well (got rank={rank}, world_size={world_size})")
+        _init_explicit(backend, init_method, rank, world_size, timeout)
+        return
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    rank = env_int("RANK", "SLURM_PROCID")
-    world = env_int("WORLD_SIZE", "SLURM_NTASKS")
+    rank = rank if rank >= 0 else env_int("RANK", "SLURM_PROCID")
+    world = world_size if world_size > 0 else env_int("WORLD_SIZE", "SLURM_NTASKS")
     local_rank = env_int("LOCAL_RANK", "SLURM_LOCALID")
     if rank is None or world is None:
         # A plain `python train.py` is a world of one: give it a private rendezvous.
@@ -106,6 +115,22 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
                               is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
         kwargs["store"] = dist.PrefixStore(f"zeroshard/attempt_{restart}", store)
     dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+    leave_cleanly_at_exit()
+
+
+def _init_explicit(backend, init_method: str, rank: int, world_size: int, timeout) -> None:
+    """The default group from a rendezvous the caller names (DeepSpeed's test harness passes a
+    file store): RANK / WORLD_SIZE in the environment are set to match, for code that reads them."""
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    local_rank = env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                            world_size=world_size, **kwargs)
     leave_cleanly_at_exit()
 
 

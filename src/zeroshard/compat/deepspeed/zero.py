@@ -18,7 +18,12 @@ from ...core.layout import ZeroParamStatus
 from ...core.partition import register_external_parameter
 
 __all__ = ["GatheredParameters", "Init", "MiCS_Init", "ZeroParamStatus", "load_full_state_dict",
-           "register_external_parameter", "unwrap_model_for_generation"]
+           "partitioned_param_data_shape", "register_external_parameter",
+           "unwrap_model_for_generation"]
+
+#: The shape of a partitioned parameter's `.data` outside GatheredParameters (DeepSpeed's name):
+#: empty; `ds_shape` holds the real shape and `ds_tensor` this rank's slice.
+partitioned_param_data_shape = [0]
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ...core.gathered import GatheredParameters
-from ...core.init_units import partition_new_parameters
+from ...core.init_units import leave_init_unit, partition_new_parameters
 from ...core.layout import INIT_ATTR, ZeroParamStatus, set_status
 from ...core.owners import is_managed
 
@@ -204,7 +204,7 @@ def resize_partitioned(model: nn.Module, resize, *args, **kwargs):
                    if hasattr(p, INIT_ATTR) and tuple(p.shape) != tuple(p.ds_shape)}
     for param in embeddings:
         if id(param) in resized:
-            delattr(param, INIT_ATTR)
+            leave_init_unit(param)
             param.data = resized[id(param)]
     partition_new_parameters(model)
     return out

@@ -245,7 +245,10 @@ def from_pretrained(name_or_path, config=None, model_class=None, allow_pickle: b
         transformers.AutoConfig.from_pretrained(name_or_path)
     dtype = hf_kwargs.pop("dtype", hf_kwargs.pop("torch_dtype", "auto"))
     dtype = _resolve_dtype(dtype, hf_config, entries)
-    with Init(config=config) as init_ctx:
+    # The weights keep the dtype asked for (Hugging Face's rule), not the config's precision as
+    # Init's own default would: an fp32 checkpoint's values reach the fp32 masters unrounded.
+    kept = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+    with Init(config=config, dtype=kept) as init_ctx:
         with initialization.no_init_weights():
             model = _build(_model_class(hf_config, model_class), hf_config,
                            dict(hf_kwargs, dtype=dtype))

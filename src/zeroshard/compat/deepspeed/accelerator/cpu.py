@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ....dist.comm import computes_in_fp16
 from .base import DeepSpeedAccelerator
 
 __all__ = ["CpuAccelerator", "CpuEvent", "CpuStream"]
@@ -72,10 +73,7 @@ class CpuAccelerator(DeepSpeedAccelerator):
 
     def is_fp16_supported(self) -> bool:
         """Whether oneDNN has fp16 kernels for this processor (DeepSpeed's test)."""
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-        except (AttributeError, RuntimeError):
-            return False
+        return computes_in_fp16(torch.device("cpu"))
 
     def manual_seed(self, seed: int):
         """Seed torch's generator."""

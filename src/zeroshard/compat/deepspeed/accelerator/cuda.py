@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ....dist.comm import computes_in_fp16
 from .base import DeepSpeedAccelerator
 
 __all__ = ["CudaAccelerator"]
@@ -58,7 +59,7 @@ class CudaAccelerator(DeepSpeedAccelerator):
 
     def is_fp16_supported(self) -> bool:
         """fp16 tensor cores: compute capability 7.0 or newer (DeepSpeed's rule)."""
-        return torch.cuda.get_device_capability()[0] >= 7
+        return computes_in_fp16(torch.device("cuda", torch.cuda.current_device()))
 
     def manual_seed(self, seed: int):
         """Seed the current device's generator."""

@@ -322,7 +322,7 @@ class Engine(nn.Module):
         """Cumulative bytes this rank moved per collective kind (ring model), plus "total".
 
         "total" is also split into "intra_host" / "inter_host" (torchrun's node layout; see
-        zeroshard.comm).
+        zeroshard.dist.comm).
         """
         return self.comm.report()
 

@@ -1,7 +1,8 @@
 """The package's shape stays as designed: subsystems as folders, imports running one way (config and
 dist at the bottom, then core, then offload / checkpoint / sizing, then the engine, then the
-command line, compat/ and public names), no import cycles, `import zeroshard` loading nothing of
-compat/, and every public import path users and the docs rely on still importing."""
+command line, compat/ and public names; inside core, its own sub-layers from the layout up to the
+optimizer), no import cycles, `import zeroshard` loading nothing of compat/, and every public
+import path users and the docs rely on still importing."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "zeroshard"
 # Layer of each top-level name of the package: a module may import from its own layer or below.
 LAYERS = {
     "dist": 0, "config": 0,
-    "core": 1,
+    "core": 1,  # with sub-layers of its own: CORE_LAYERS below
     "offload": 2, "checkpoint": 2, "sizing": 2,
     "activations": 2,  # deepspeed.checkpointing on torch.utils.checkpoint
     "monitor": 3,  # what the engine reports (writers, throughput, timers); core must not import it
@@ -31,6 +32,34 @@ LAYERS = {
     # Documented paths that are the very modules of their homes in compat/.
     "integrations": 4, "accelerator": 4,
 }
+
+
+# core/'s sub-layers, bottom first (DESIGN.md's layout -> stages/zeropp -> construct -> runtime,
+# while they share one folder): a core module may import its own sub-layer or one below.
+CORE_ORDER = ["base", "layout", "strategies", "stages", "construct", "optimizer", "build"]
+CORE_LAYERS = {
+    # Helpers every part uses: host memory, streams, host syncs, the owner registry, the
+    # checkpoint key names, the process groups and their watchdog.
+    "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync"},
+    # The one layout: units, flat buffers, shards; stage 3's unit plan (also Init's) and the
+    # units taking their memory at initialize() (materialize).
+    "layout": {"layout", "partition", "init_units", "materialize"},
+    # Gather and reduce strategies (ZeRO++ qwZ / hpZ / qgZ, MiCS), composed into a stage.
+    "strategies": {"strategies", "mics", "zeropp", "zeropp.collectives", "zeropp.hpz",
+                   "zeropp.qgz", "zeropp.qwz", "zeropp.quantize"},
+    # The stage policies over the layout, and what only they use.
+    "stages": {"spec", "reduction", "policy", "stage0", "stage1", "stage2", "stage3", "schedule",
+               "generation", "guards", "shard_store", "stage3_views"},
+    # Building a model partitioned (Init) and gathering it back (GatheredParameters).
+    "construct": {"init", "gathered"},
+    # The sharded optimizer over a stage: its step, state dict, loss scaler, Muon, Lion.
+    "optimizer": {"optim", "state", "fragments", "muon", "muon_exchange", "lion", "scaler",
+                  "no_optimizer", "user_backward"},
+    # What only build.py calls: a stage made from its spec (units, policy, strategies), and the
+    # ranks' agreement on what they built.
+    "build": {"stages", "agreement"},
+}
+CORE_LAYER = {m: CORE_ORDER.index(layer) for layer, ms in CORE_LAYERS.items() for m in ms}
 
 
 def _modules() -> dict[str, Path]:
@@ -74,9 +103,47 @@ def _top(name: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _in_core(name: str) -> str | None:
+    """`name` relative to zeroshard.core ("" for the package itself), or None outside core."""
+    if name == "zeroshard.core":
+        return ""
+    return name[len("zeroshard.core."):] if name.startswith("zeroshard.core.") else None
+
+
 def test_every_top_level_name_has_a_layer():
     tops = {_top(name) for name in _modules()}
     assert tops <= set(LAYERS), f"place {sorted(tops - set(LAYERS))} in LAYERS"
+
+
+def test_every_core_module_has_a_sub_layer():
+    core = {_in_core(name) for name in _modules()} - {None}
+    assert core == set(CORE_LAYER), (f"place {sorted(core - set(CORE_LAYER))} in CORE_LAYERS; "
+                                     f"gone: {sorted(set(CORE_LAYER) - core)}")
+
+
+def test_core_imports_run_one_way():
+    """Inside core: the layout below the stages, strategies (ZeRO++, MiCS) below the stages that
+    compose them, stages below construct and the optimizer, build.py's stage builder on top."""
+    wrong = []
+    for name, targets in _graph().items():
+        source = _in_core(name)
+        if source is None:
+            continue
+        for target in targets:
+            inner = _in_core(target)
+            if inner is not None and CORE_LAYER[inner] > CORE_LAYER[source]:
+                wrong.append(f"{source} ({CORE_ORDER[CORE_LAYER[source]]}) -> {inner} "
+                             f"({CORE_ORDER[CORE_LAYER[inner]]})")
+    assert not wrong, "core imports against its sub-layers: " + ", ".join(sorted(wrong))
+
+
+def test_the_core_layer_check_finds_an_upward_import(monkeypatch):
+    """The check can fail: the layout importing the optimizer is reported."""
+    graph = _graph()
+    graph["zeroshard.core.layout"] = graph["zeroshard.core.layout"] | {"zeroshard.core.optim"}
+    monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: graph)
+    with pytest.raises(AssertionError, match=r"layout \(layout\) -> optim \(optimizer\)"):
+        test_core_imports_run_one_way()
 
 
 def test_imports_run_one_way():

@@ -20,7 +20,7 @@ import torch
 
 from ..dist import Comm
 from .hostmem import return_freed_memory
-from .init import take_full
+from .init_units import take_full
 from .layout import INIT_ATTR, Unit, flatten
 
 

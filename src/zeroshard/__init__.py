@@ -30,8 +30,9 @@ _LAZY = {"Accelerator": "zeroshard.compat.accelerate",
 #: the launcher's `import deepspeed` alias (compat/deepspeed/alias.py) maps these names to.
 _LAZY_MODULES = {"checkpointing": "zeroshard.activations.checkpointing",
                  "monitor": "zeroshard.monitor",
-                 "accelerator": "zeroshard.accelerator", "comm": "zeroshard.compat.deepspeed.comm",
-                 "ops": "zeroshard.compat.deepspeed.ops", "utils": "zeroshard.compat.deepspeed.utils",
+                 "accelerator": "zeroshard.accelerator",
+                 "comm": "zeroshard.compat.deepspeed.comm", "ops": "zeroshard.compat.deepspeed.ops",
+                 "utils": "zeroshard.compat.deepspeed.utils",
                  "zero": "zeroshard.compat.deepspeed.zero"}
 
 

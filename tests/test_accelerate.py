@@ -77,7 +77,7 @@ def _worst(got: dict, ref: dict) -> float:
 
 def _seed_runs(rank, world, tmp):
     from zeroshard import Accelerator, DeepSpeedPlugin
-    from zeroshard.integrations.accelerate_config import ENV
+    from zeroshard.compat.accelerate.config import ENV
 
     out = {}
     for stage, offload, offload_param, gas in YAML_RUNS:

@@ -11,8 +11,8 @@ import pytest
 
 from tests.test_accelerate import write_yaml
 from zeroshard.cli import launch
-from zeroshard.integrations.accelerate_config import (ENV, DeepSpeedPlugin, build_deepspeed_config,
-                                                      read_accelerate_config)
+from zeroshard.compat.accelerate.config import (ENV, DeepSpeedPlugin, build_deepspeed_config,
+                                               read_accelerate_config)
 
 # What `accelerate config` writes for a 2-node DeepSpeed job with a JSON config, plus comments.
 FULL = """\

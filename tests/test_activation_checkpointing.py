@@ -150,7 +150,7 @@ class _DeepSpeedCheckpointedLM(TinyLM):
 
 
 def _engine_case(rank, world) -> dict:
-    from zeroshard.integrations.deepspeed_alias import install
+    from zeroshard.compat.deepspeed.alias import install
 
     install()
     import deepspeed

@@ -119,6 +119,13 @@ def _gap(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def _broken_at(reason: str) -> str:
+    """The function a graph-break reason names: a disabled function's repr, or the qualname of a
+    skipped one (core/policy.py's lazy `eager_hook` wrapper), else the reason itself."""
+    found = re.search(r"function <function (\S+) at|the function `([^`]+)`", reason)
+    return (found.group(1) or found.group(2)) if found else reason
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -142,9 +149,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
                 "loss_gap": max(abs(x - y) for x, y in zip(losses, reference[0])),
                 "param_gap": _gap(state, reference[1]), "graphs": counting.graphs,
                 "breaks": sum(counters["graph_break"].values()),
-                "broken_at": sorted({re.search(r"function (\S+) at", reason).group(1)
-                                     if "function " in reason else reason
-                                     for reason in counters["graph_break"]}),
+                "broken_at": sorted({_broken_at(reason) for reason in counters["graph_break"]}),
                 "is_compiled": engine.is_compiled, "names": sorted(state)}
             if stage == 3 and how == "whole":
                 compiled_whole = engine

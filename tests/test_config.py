@@ -84,7 +84,11 @@ def test_seed_stage3_offload_is_supported():
     cfg = load_quietly(CONFIG_DIR / "seed_stage3_offload.json")
     zero = cfg.zero_optimization
     assert (zero.stage, zero.offload_optimizer.device, zero.offload_param.device) == (3, "cpu", "cpu")
-    assert require_supported(cfg) is None  # raises NotSupportedYetError when it is not
+    assert (zero.offload_optimizer.ratio, zero.offload_optimizer.pin_memory) == (1.0, True)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (16, 16, 1)
+    assert (cfg.optimizer.type, cfg.optimizer.params) == ("Adam", {"lr": 1e-5})
+    require_supported(cfg)  # raises NotSupportedYetError when it is not
 
 
 def test_partial_offload_ratio_is_refused_by_name():
@@ -96,8 +100,11 @@ def test_partial_offload_ratio_is_refused_by_name():
 
 def test_stage3_without_offload_is_supported():
     cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3}})
-    assert cfg.zero_optimization.offload_optimizer is None and cfg.zero_optimization.stage == 3
-    assert require_supported(cfg) is None
+    zero = cfg.zero_optimization
+    assert (zero.stage, zero.offload_optimizer, zero.offload_param) == (3, None, None)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (4, 4, 1)
+    require_supported(cfg)  # raises NotSupportedYetError when it is not
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,12 +514,18 @@ def test_notice_is_printed_once_as_one_line_by_rank_0_only():
 
 
 def test_clean_config_does_not_warn():
-    _, messages = load_recording({
+    cfg, messages = load_recording({
         "train_batch_size": 8, "gradient_clipping": 1.0, "fp16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9,
                               "round_robin_gradients": False, "mics_shard_size": -1}})
     assert messages == []
+    zero = cfg.zero_optimization
+    assert (cfg.train_batch_size, cfg.gradient_clipping, cfg.fp16.enabled) == (8, 1.0, True)
+    assert (cfg.optimizer.type, cfg.optimizer.params) == ("AdamW", {"lr": 1e-4})
+    assert (zero.stage, zero.round_robin_gradients, zero.mics_shard_size) == (3, False, -1)
+    assert zero.stage3_max_live_parameters == 1_000_000_000
+    assert type(zero.stage3_max_live_parameters) is int  # 1e9 in JSON is a float
 
 
 def test_inert_top_level_key_is_dropped():
@@ -523,7 +536,10 @@ def test_inert_top_level_key_is_dropped():
 def test_stage0_offload_is_ignored_not_refused():
     cfg, messages = load_recording({"train_batch_size": 4, "zero_optimization": {
         "stage": 0, "offload_optimizer": {"device": "cpu"}}})
-    assert require_supported(cfg) is None
+    # Parsed as given and not refused; the one warning says it has no effect at stage 0.
+    assert (cfg.zero_optimization.stage, cfg.zero_optimization.offload_optimizer.device) == \
+        (0, "cpu")
+    require_supported(cfg)  # raises NotSupportedYetError when it is not
     assert len(messages) == 1 and "offload_optimizer" in messages[0] and \
         "ignored at stage 0" in messages[0]
 

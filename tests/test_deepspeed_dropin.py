@@ -263,9 +263,9 @@ def test_deepspeed_utility_names():
 
     from zeroshard.checkpoint.clone import clone_tensors_for_torch_save
     from zeroshard.core.partition import unit_modules
-    from zeroshard.ops.adagrad import DeepSpeedCPUAdagrad
-    from zeroshard.ops.lion import DeepSpeedCPULion
-    from zeroshard.utils import logger, set_z3_leaf_modules, z3_leaf_module
+    from zeroshard.compat.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from zeroshard.compat.deepspeed.ops.lion import DeepSpeedCPULion
+    from zeroshard.compat.deepspeed.utils import logger, set_z3_leaf_modules, z3_leaf_module
 
     assert isinstance(logger, logging.Logger)
     base = torch.arange(6.0)

@@ -142,18 +142,36 @@ def test_readme_keeps_the_two_setup_commands_that_ci_runs():
 JSON_BLOCKS = [b for p in ALL for b in p.blocks if b.lang == "json" and b.kind != "norun"]
 
 
+def _not_kept(given: dict, loaded: dict, path: str = "") -> list[str]:
+    """The keys of `given` whose value `loaded` (the config as loaded, by its JSON names) does not
+    hold at the same place."""
+    out = []
+    for key, value in given.items():
+        where = f"{path}{key}"
+        if not isinstance(loaded, dict) or key not in loaded:
+            out.append(f"{where}: absent")
+        elif isinstance(value, dict) and isinstance(loaded[key], dict):
+            out += _not_kept(value, loaded[key], where + ".")
+        elif loaded[key] != value:
+            out.append(f"{where}: {value!r} loaded as {loaded[key]!r}")
+    return out
+
+
 @pytest.mark.parametrize("block", JSON_BLOCKS, ids=[f"{b.page}:{b.line}" for b in JSON_BLOCKS])
 def test_json_block_is_a_config_zeroshard_loads(block):
-    """Config files and fragments (`"zero_optimization": {...}`) parse, and load through the
-    schema unless they hold `"auto"` values (resolved later, by initialize())."""
+    """Config files and fragments (`"zero_optimization": {...}`) load through the schema with
+    every value they give kept as given; `"auto"` values are first resolved as initialize() does
+    without a model (config/auto.py's defaults)."""
+    from zeroshard.config.auto import resolve_auto
     from zeroshard.config.schema import load_config
 
     text = block.code.strip()
-    value = json.loads(text if text.startswith("{") else "{" + text + "}")
-    if '"auto"' not in text:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")      # notices (no batch size given, ...)
-            load_config(value)
+    value = resolve_auto(json.loads(text if text.startswith("{") else "{" + text + "}"))
+    assert "auto" not in json.dumps(value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # notices (no batch size given, ...)
+        loaded = load_config(value).model_dump(by_alias=True)
+    assert not _not_kept(value, loaded), _not_kept(value, loaded)
 
 
 # -- python blocks: one process, a world of one ---------------------------------------------------

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.cli import deepspeed_flags, launch
+from zeroshard.cli import launch
+from zeroshard.compat.deepspeed import launcher_flags as deepspeed_flags
 from zeroshard.cli.bind import parse_cores
 
 ROOT = Path(__file__).parent.parent
@@ -158,7 +159,7 @@ import deepspeed.pipe
 import importlib.metadata as metadata
 from transformers.integrations.deepspeed import is_deepspeed_available
 from accelerate.utils import is_deepspeed_available as accelerate_sees
-from zeroshard.integrations.deepspeed_alias import DEEPSPEED_VERSION
+from zeroshard.compat.deepspeed.alias import DEEPSPEED_VERSION
 out = {"initialize": deepspeed.initialize is zeroshard.initialize,
        "accelerator": get_accelerator() is zeroshard.get_accelerator() and top_level is get_accelerator,
        "comm": dist.get_rank is zeroshard.comm.get_rank,

@@ -1,7 +1,8 @@
 """The package's shape stays as designed: subsystems as folders, imports running one way (config and
 dist at the bottom, then core, then offload / checkpoint / sizing, then the engine, then the
-command line, compat/ and public names), no import cycles, `import zeroshard` loading nothing of
-compat/, and every public import path users and the docs rely on still importing."""
+command line, compat/ and public names; inside core, its own sub-layers from the layout up to the
+optimizer), no import cycles, `import zeroshard` loading nothing of compat/, and every public
+import path users and the docs rely on still importing."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "zeroshard"
 # Layer of each top-level name of the package: a module may import from its own layer or below.
 LAYERS = {
     "dist": 0, "config": 0,
-    "core": 1,
+    "core": 1,  # with sub-layers of its own: CORE_LAYERS below
     "offload": 2, "checkpoint": 2, "sizing": 2,
     "activations": 2,  # deepspeed.checkpointing on torch.utils.checkpoint
     "monitor": 3,  # what the engine reports (writers, throughput, timers); core must not import it
@@ -28,10 +29,37 @@ LAYERS = {
     # through core.init.register_library_hooks, wired in __init__.
     "compat": 4,
     "cli": 4, "__init__": 4, "estimate": 4, "consolidate": 4,
-    # Old import paths, thin modules re-exporting from compat/ (comm: deepspeed.comm's names;
-    # zeroshard's own code imports dist).
-    "integrations": 4, "zero": 4, "ops": 4, "utils": 4, "accelerator": 4, "comm": 4,
+    # Documented paths that are the very modules of their homes in compat/.
+    "integrations": 4, "accelerator": 4,
 }
+
+
+# core/'s sub-layers, bottom first (DESIGN.md's layout -> stages/zeropp -> construct -> runtime,
+# while they share one folder): a core module may import its own sub-layer or one below.
+CORE_ORDER = ["base", "layout", "strategies", "stages", "construct", "optimizer", "build"]
+CORE_LAYERS = {
+    # Helpers every part uses: host memory, streams, host syncs, the owner registry, the
+    # checkpoint key names, the process groups and their watchdog.
+    "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync"},
+    # The one layout: units, flat buffers, shards; stage 3's unit plan (also Init's) and the
+    # units taking their memory at initialize() (materialize).
+    "layout": {"layout", "partition", "init_units", "materialize"},
+    # Gather and reduce strategies (ZeRO++ qwZ / hpZ / qgZ, MiCS), composed into a stage.
+    "strategies": {"strategies", "mics", "zeropp", "zeropp.collectives", "zeropp.hpz",
+                   "zeropp.qgz", "zeropp.qwz", "zeropp.quantize"},
+    # The stage policies over the layout, and what only they use.
+    "stages": {"spec", "reduction", "policy", "stage0", "stage1", "stage2", "stage3", "schedule",
+               "generation", "guards", "shard_store", "stage3_views"},
+    # Building a model partitioned (Init) and gathering it back (GatheredParameters).
+    "construct": {"init", "gathered"},
+    # The sharded optimizer over a stage: its step, state dict, loss scaler, Muon, Lion.
+    "optimizer": {"optim", "state", "fragments", "muon", "muon_exchange", "lion", "scaler",
+                  "no_optimizer", "user_backward"},
+    # What only build.py calls: a stage made from its spec (units, policy, strategies), and the
+    # ranks' agreement on what they built.
+    "build": {"stages", "agreement"},
+}
+CORE_LAYER = {m: CORE_ORDER.index(layer) for layer, ms in CORE_LAYERS.items() for m in ms}
 
 
 def _modules() -> dict[str, Path]:
@@ -75,9 +103,47 @@ def _top(name: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _in_core(name: str) -> str | None:
+    """`name` relative to zeroshard.core ("" for the package itself), or None outside core."""
+    if name == "zeroshard.core":
+        return ""
+    return name[len("zeroshard.core."):] if name.startswith("zeroshard.core.") else None
+
+
 def test_every_top_level_name_has_a_layer():
     tops = {_top(name) for name in _modules()}
     assert tops <= set(LAYERS), f"place {sorted(tops - set(LAYERS))} in LAYERS"
+
+
+def test_every_core_module_has_a_sub_layer():
+    core = {_in_core(name) for name in _modules()} - {None}
+    assert core == set(CORE_LAYER), (f"place {sorted(core - set(CORE_LAYER))} in CORE_LAYERS; "
+                                     f"gone: {sorted(set(CORE_LAYER) - core)}")
+
+
+def test_core_imports_run_one_way():
+    """Inside core: the layout below the stages, strategies (ZeRO++, MiCS) below the stages that
+    compose them, stages below construct and the optimizer, build.py's stage builder on top."""
+    wrong = []
+    for name, targets in _graph().items():
+        source = _in_core(name)
+        if source is None:
+            continue
+        for target in targets:
+            inner = _in_core(target)
+            if inner is not None and CORE_LAYER[inner] > CORE_LAYER[source]:
+                wrong.append(f"{source} ({CORE_ORDER[CORE_LAYER[source]]}) -> {inner} "
+                             f"({CORE_ORDER[CORE_LAYER[inner]]})")
+    assert not wrong, "core imports against its sub-layers: " + ", ".join(sorted(wrong))
+
+
+def test_the_core_layer_check_finds_an_upward_import(monkeypatch):
+    """The check can fail: the layout importing the optimizer is reported."""
+    graph = _graph()
+    graph["zeroshard.core.layout"] = graph["zeroshard.core.layout"] | {"zeroshard.core.optim"}
+    monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: graph)
+    with pytest.raises(AssertionError, match=r"layout \(layout\) -> optim \(optimizer\)"):
+        test_core_imports_run_one_way()
 
 
 def test_imports_run_one_way():
@@ -101,11 +167,11 @@ def test_nothing_below_the_top_imports_compat():
 
 
 def test_import_zeroshard_loads_no_compat():
-    """`import zeroshard` imports no look-alike (nor transformers, accelerate, lightning): the
-    public names reach compat/ on first use."""
+    """`import zeroshard` imports no look-alike (nor transformers, accelerate, lightning, nor
+    torch.compile's dynamo, ~1.3 s): the public names reach compat/ on first use."""
     code = ("import sys, zeroshard; print(sorted(m for m in sys.modules if m.startswith("
             "('zeroshard.compat', 'zeroshard.integrations', 'transformers', 'accelerate', "
-            "'lightning'))))")
+            "'lightning', 'torch._dynamo'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
     code = ("import sys, zeroshard; zeroshard.comm.get_rank(); zeroshard.get_accelerator(); "
@@ -157,20 +223,24 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
                    "add_config_arguments", "load_config", "ConfigError", "Engine", "Accelerator",
                    "DeepSpeedPlugin", "get_accelerator", "checkpointing", "monitor"]),
     ("zeroshard.accelerator", ["get_accelerator", "CpuAccelerator", "CudaAccelerator"]),
-    ("zeroshard.integrations.accelerate", ["Accelerator", "DeepSpeedPlugin"]),
-    ("zeroshard.integrations.deepspeed_alias", ["install", "UnsupportedError"]),
-    ("zeroshard.zero", ["Init", "GatheredParameters", "ZeroParamStatus", "load_full_state_dict"]),
-    ("zeroshard.ops.adam", ["DeepSpeedCPUAdam", "FusedAdam"]),
-    ("zeroshard.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
-    ("zeroshard.integrations.hf", ["ZeroTrainer"]),
+    ("zeroshard.integrations.hf", ["ZeroTrainer", "from_pretrained", "from_config"]),
     ("zeroshard.integrations.lightning", ["ZeroShardStrategy"]),
     ("zeroshard.checkpoint", ["CheckpointError", "save_checkpoint", "load_checkpoint"]),
     ("zeroshard.estimate", ["estimate", "model_states", "Shape", "GB"]),
     ("zeroshard.consolidate", ["consolidate", "consolidated_state_dict"]),
     ("zeroshard.config", ["load_config", "ConfigError", "ConfigWarning", "ZeroConfig"]),
-    ("zeroshard.comm", ["init_distributed", "get_rank", "get_world_size", "all_reduce"]),
     ("zeroshard.cli", ["main"]),
-    # The homes of the old paths above.
+    # DeepSpeed's namespaces as attributes of `import zeroshard as deepspeed` (no modules of
+    # their own: zeroshard.__getattr__ answers with their homes in compat/deepspeed/).
+    ("zeroshard.zero", ["Init", "GatheredParameters", "ZeroParamStatus", "load_full_state_dict",
+                        "register_external_parameter"]),
+    ("zeroshard.comm", ["init_distributed", "get_rank", "get_world_size", "all_reduce"]),
+    ("zeroshard.ops.adam", ["DeepSpeedCPUAdam", "FusedAdam"]),
+    ("zeroshard.ops.adagrad", ["DeepSpeedCPUAdagrad"]),
+    ("zeroshard.ops.lion", ["DeepSpeedCPULion", "FusedLion"]),
+    ("zeroshard.utils", ["logger", "zero_to_fp32", "set_z3_leaf_modules", "z3_leaf_module"]),
+    ("zeroshard.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
+    # Their homes.
     ("zeroshard.compat.deepspeed.zero", ["Init", "GatheredParameters", "ZeroParamStatus"]),
     ("zeroshard.compat.deepspeed.comm", ["get_rank", "all_reduce"]),
     ("zeroshard.compat.deepspeed.accelerator", ["get_accelerator", "CpuAccelerator"]),
@@ -180,21 +250,43 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     ("zeroshard.compat.deepspeed.utils", ["logger", "zero_to_fp32", "set_z3_leaf_modules"]),
     ("zeroshard.compat.deepspeed.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
     ("zeroshard.compat.deepspeed.alias", ["install", "UnsupportedError", "ALIASES"]),
+    ("zeroshard.compat.deepspeed.launcher_flags", ["add_arguments", "apply", "core_assignment"]),
     ("zeroshard.compat.accelerate", ["Accelerator", "DeepSpeedPlugin"]),
+    ("zeroshard.compat.accelerate.config", ["ENV", "DeepSpeedPlugin", "launch_env"]),
     ("zeroshard.compat.hf", ["ZeroTrainer", "from_pretrained", "from_config"]),
     ("zeroshard.compat.lightning", ["ZeroShardStrategy"]),
-    # Old paths beyond the docs' names.
-    ("zeroshard.ops.adagrad", ["DeepSpeedCPUAdagrad"]),
-    ("zeroshard.ops.lion", ["DeepSpeedCPULion", "FusedLion"]),
-    ("zeroshard.utils", ["logger", "zero_to_fp32", "set_z3_leaf_modules", "z3_leaf_module"]),
-    ("zeroshard.integrations.hf_load", ["from_pretrained", "from_config"]),
-    ("zeroshard.integrations.accelerate_config", ["ENV", "DeepSpeedPlugin", "launch_env"]),
-    ("zeroshard.integrations.worker_hooks", ["ACCELERATE_DEEPSPEED"]),
 ])
 def test_public_import_paths_keep_working(path, names):
-    module = importlib.import_module(path)
+    """Each path resolves (imported as far as it is a module, then as attributes) and has the
+    names."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ModuleNotFoundError:
+            continue
+    for part in parts[cut:]:
+        module = getattr(module, part)
     missing = [n for n in names if not hasattr(module, n)]
     assert not missing, f"{path} lacks {missing}"
+
+
+def test_documented_paths_are_their_homes():
+    """The documented paths kept outside compat/ are the very module of their home (one set of
+    names, nothing to keep in step)."""
+    import zeroshard
+    import zeroshard.accelerator
+    import zeroshard.integrations.hf
+    import zeroshard.integrations.lightning
+
+    from zeroshard.compat import hf, lightning
+    from zeroshard.compat.deepspeed import accelerator, comm, ops, utils, zero
+
+    assert zeroshard.integrations.hf is hf and zeroshard.integrations.lightning is lightning
+    assert zeroshard.accelerator is accelerator
+    assert (zeroshard.zero, zeroshard.comm, zeroshard.ops, zeroshard.utils) == \
+        (zero, comm, ops, utils)
 
 
 def test_deepspeed_alias_targets_import():

@@ -178,7 +178,8 @@ def _checkpoints(rank, engine, saved) -> dict:
     import os
     import tempfile
 
-    from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zeroshard.compat.deepspeed.utils.zero_to_fp32 import \
+        get_fp32_state_dict_from_zero_checkpoint
 
     root = os.path.join(tempfile.gettempdir(), f"zs-finetune-{os.getppid()}")
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}

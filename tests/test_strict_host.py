@@ -88,9 +88,9 @@ def test_outside_strict_mode_nothing_is_checked(monkeypatch):
     assert hostmem.to_device(on_cpu, torch.device("cpu")) is on_cpu  # no copy on a CPU machine
 
 
-# Library code that places tensors; cli/ (the demo's data), sizing/ and integrations/ are user
-# code or build nothing.
-PLACING = ("comm.py", "engine.py", "core", "offload", "checkpoint")
+# Library code that places tensors (dist/: the ledgered comm); cli/ (the demo's data) and sizing/
+# are user code or build nothing.
+PLACING = ("dist", "engine.py", "core", "offload", "checkpoint")
 FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
              "empty_strided", "linspace", "eye", "as_tensor"}
 

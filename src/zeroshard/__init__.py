@@ -26,11 +26,14 @@ _LAZY = {"Accelerator": "zeroshard.compat.accelerate",
          "DeepSpeedPlugin": "zeroshard.compat.accelerate",
          "get_accelerator": "zeroshard.compat.deepspeed.accelerator"}
 #: Submodules under DeepSpeed's names (`import zeroshard as deepspeed; deepspeed.checkpointing`,
-#: `deepspeed.comm`, `deepspeed.zero`), imported on first use.
+#: `deepspeed.comm`, `deepspeed.zero`), imported on first use from their homes: the same modules
+#: the launcher's `import deepspeed` alias (compat/deepspeed/alias.py) maps these names to.
 _LAZY_MODULES = {"checkpointing": "zeroshard.activations.checkpointing",
                  "monitor": "zeroshard.monitor",
-                 "accelerator": "zeroshard.accelerator", "comm": "zeroshard.comm",
-                 "ops": "zeroshard.ops", "utils": "zeroshard.utils", "zero": "zeroshard.zero"}
+                 "accelerator": "zeroshard.accelerator",
+                 "comm": "zeroshard.compat.deepspeed.comm", "ops": "zeroshard.compat.deepspeed.ops",
+                 "utils": "zeroshard.compat.deepspeed.utils",
+                 "zero": "zeroshard.compat.deepspeed.zero"}
 
 
 def _hf_init_hooks():

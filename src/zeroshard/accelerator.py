@@ -1,5 +1,10 @@
-"""`zeroshard.accelerator`: DeepSpeed's `deepspeed.accelerator` namespace. An old import path kept
-working: it re-exports `zeroshard.compat.deepspeed.accelerator`, its home."""
+"""`zeroshard.accelerator`: DeepSpeed's `deepspeed.accelerator` namespace under DESIGN.md's public
+path (`from zeroshard.accelerator import get_accelerator`); importing it gives its home,
+`zeroshard.compat.deepspeed.accelerator`."""
 
-from .compat.deepspeed.accelerator import *  # noqa: F401,F403
-from .compat.deepspeed.accelerator import __all__  # noqa: F401
+import sys
+
+from .compat.deepspeed import accelerator as _home
+
+# The same module object under both names (see integrations/hf.py), as under the launcher's alias.
+sys.modules[__name__] = _home

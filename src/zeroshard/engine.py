@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -321,7 +322,7 @@ class Engine(nn.Module):
         """Cumulative bytes this rank moved per collective kind (ring model), plus "total".
 
         "total" is also split into "intra_host" / "inter_host" (torchrun's node layout; see
-        zeroshard.comm).
+        zeroshard.dist.comm).
         """
         return self.comm.report()
 
@@ -377,9 +378,12 @@ class Engine(nn.Module):
         """Whether the wrapped module is compiled: by `engine.compile`, or by `torch.compile` /
         `module.compile()` before `initialize`."""
         module = self.module
+        # An OptimizedModule exists only once dynamo is imported: asking torch._dynamo otherwise
+        # would import it (~1.3 s) just to answer no.
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
         return bool(self.__dict__.get("_compiled")) or \
             getattr(module, "_compiled_call_impl", None) is not None or \
-            isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+            (eval_frame is not None and isinstance(module, eval_frame.OptimizedModule))
 
     def gathered_model(self):
         """Context with every parameter whole on every rank (stage 3), e.g. around a generation loop.

@@ -28,6 +28,7 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ..core.keys import MODEL, name_of
 from .names import CONFIG, META, quiet_dcp
 from .sharded import CheckpointError, SafeReader, resolve_tag
 from .verify import check_file, read_meta
@@ -60,8 +61,8 @@ def _open(path: str):
     for name, key in meta["state_dict"].items():
         if key not in saved:
             raise CheckpointError(f"{path}: {key} (for {name}) is not in the checkpoint")
-        shape = meta["params"][key[len("model."):]]["shape"] if key.startswith("model.") \
-            else list(saved[key].size)
+        param = name_of(key, MODEL)
+        shape = meta["params"][param]["shape"] if param is not None else list(saved[key].size)
         out.append((name, key, shape, saved[key].properties.dtype))
     reader.verify_ranges(reader.ranges_of(key for _, key, _, _ in out))
     if files is not None and CONFIG in files:
@@ -73,7 +74,7 @@ def _read_many(reader: SafeReader, entries) -> list[torch.Tensor]:
     """Read the listed (name, key, shape, dtype, ...) entries with one DCP load."""
     buffers = {}
     for _, key, shape, dtype, *_ in entries:
-        buffers[key] = torch.empty(math.prod(shape) if key.startswith("model.") else shape,
+        buffers[key] = torch.empty(math.prod(shape) if name_of(key, MODEL) is not None else shape,
                                    dtype=dtype, device="cpu")  # an offline tool: host memory
     with quiet_dcp():
         dcp.load(buffers, storage_reader=reader, no_dist=True)

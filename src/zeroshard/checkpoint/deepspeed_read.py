@@ -41,6 +41,7 @@ import warnings
 
 import torch
 
+from ..core import keys
 from . import deepspeed_pickle
 from .portable import Portable
 from .verify import CheckpointError
@@ -150,13 +151,13 @@ class DeepSpeedCheckpoint(Portable):
         state_dict = {}
         for key in module:
             if key in buffers:
-                state_dict[key] = f"buffer.{key}"
+                state_dict[key] = keys.buffer_key(key)
             elif key in shared and shared[key] in params:
-                state_dict[key] = f"model.{shared[key]}"
+                state_dict[key] = keys.model_key(shared[key])
             elif key in params:
-                state_dict[key] = f"model.{key}"
+                state_dict[key] = keys.model_key(key)
             elif key in self._frozen:
-                state_dict[key] = f"frozen.{key}"
+                state_dict[key] = keys.frozen_key(key)
         dtype = next((t.dtype for k, t in module.items()
                       if k not in buffers and torch.is_tensor(t) and t.is_floating_point()), None)
         gas = config.get("gradient_accumulation_steps")
@@ -358,14 +359,12 @@ class DeepSpeedCheckpoint(Portable):
     # -- Portable ------------------------------------------------------------------------------
     def tensor(self, key: str) -> torch.Tensor:
         """One whole tensor, reassembled from the ranks' partitions."""
-        kind, _, name = key.partition(".")
-        if kind == "buffer":
+        kind, state, name = keys.split_key(key)
+        if kind == keys.BUFFER:
             return self._module[name]
-        if kind == "frozen":
+        if kind == keys.FROZEN:
             return self._frozen[name]
-        what = "master"
-        if kind == "optim":
-            what, name = name.split(".", 1)
+        what = state if kind == keys.OPTIM else "master"
         shape = self.params[name][0]
         j, cuts = self._pieces[name]
         chunks = []

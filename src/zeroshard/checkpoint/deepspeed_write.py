@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..core import keys
 from .deepspeed_pickle import DynamicLossScaler, FragmentAddress, LossScaler, ZeroStage, save
 from .deepspeed_read import DS_KEYS, MODEL
 from .portable import Portable
@@ -80,7 +81,7 @@ class _Writer:
         """The module's state_dict (stage 3: parameters empty), shared_params, buffer_names."""
         module, made, shared, buffers, owner = OrderedDict(), {}, {}, [], {}
         for key, entry in self.ckpt.state_dict.items():
-            if entry.startswith("buffer."):
+            if keys.name_of(entry, keys.BUFFER) is not None:
                 module[key] = self.ckpt.tensor(entry)
                 buffers.append(key)
                 continue
@@ -90,7 +91,7 @@ class _Writer:
                 continue
             owner[entry] = key
             value = self.ckpt.tensor(entry)
-            if entry.startswith("model."):
+            if keys.name_of(entry, keys.MODEL) is not None:
                 value = value.to(self.dtype)
             made[entry] = torch.empty(0, dtype=value.dtype, device="cpu") if empty else value
             module[key] = made[entry]
@@ -137,8 +138,7 @@ class _Writer:
 
     def _flat(self, kind: str, names: list[str]) -> torch.Tensor:
         """`kind` ("model" or a state key) of `names`, end to end, fp32."""
-        key = (lambda n: f"model.{n}") if kind == "model" else (lambda n: f"optim.{kind}.{n}")
-        parts = [self.ckpt.tensor(key(n)).float().reshape(-1) for n in names]
+        parts = [self.ckpt.tensor(keys.flat_key(kind, n)).float().reshape(-1) for n in names]
         return torch.cat(parts) if parts else torch.zeros(0, device="cpu")
 
     # -- stages 0-2 --------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ class _Writer:
             for g, names in enumerate(self.names):
                 ids = []
                 for name in names:
-                    tensors = {k: ckpt.tensor(f"optim.{k}.{name}")
+                    tensors = {k: ckpt.tensor(keys.optim_key(k, name))
                                for k in ckpt.groups[g]["tensor_keys"]}
                     state[index] = self._group_state(g, tensors)
                     ids.append(index)
@@ -202,7 +202,7 @@ class _Writer:
             frozen = dict(frozen_param_shapes=OrderedDict(
                 (n, torch.Size(s)) for n, s in ckpt.frozen.items()),
                 frozen_param_fragments=OrderedDict(
-                    (n, ckpt.tensor(f"frozen.{n}")) for n in ckpt.frozen))
+                    (n, ckpt.tensor(keys.frozen_key(n))) for n in ckpt.frozen))
         shapes = [OrderedDict((n, torch.Size(ckpt.params[n][0])) for n in names)
                   for names in self.names]
         file = os.path.join(tag_dir, MODEL)
@@ -221,7 +221,7 @@ class _Writer:
                 owner.append(g)
         module, shared, buffers = self._module(empty=True)
         shapes = [OrderedDict((n, torch.Size(ckpt.params[n][0])) for n in sub) for sub in subs]
-        frozen = {n: ckpt.tensor(f"frozen.{n}").reshape(-1) for n in ckpt.frozen}
+        frozen = {n: ckpt.tensor(keys.frozen_key(n)).reshape(-1) for n in ckpt.frozen}
         written = []
         for rank in range(world):
             flats, state = [], {}
@@ -253,10 +253,9 @@ class _Writer:
 
     def _rank_part(self, kind: str, names: list[str], part: dict, rank: int) -> torch.Tensor:
         """Rank `rank`'s part of each of `names` (padded to W equal parts), end to end."""
-        key = (lambda n: f"model.{n}") if kind == "model" else (lambda n: f"optim.{kind}.{n}")
         pieces = []
         for name in names:
-            flat = self.ckpt.tensor(key(name)).float().reshape(-1)
+            flat = self.ckpt.tensor(keys.flat_key(kind, name)).float().reshape(-1)
             piece = flat[rank * part[name]:(rank + 1) * part[name]]
             pieces.append(torch.cat([piece, piece.new_zeros(part[name] - piece.numel())]))
         return torch.cat(pieces) if pieces else torch.zeros(0, device="cpu")

@@ -29,6 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from ..core.keys import (BUFFER, FROZEN, MODEL, OPTIM, buffer_key, flat_key, frozen_key, model_key,
+                         name_of, named, split_key)
 from .names import CLIENT, FORMAT, META, quiet_dcp
 from .run_state import check_client_state
 from .verify import (CheckpointError, SafeReader, file_digest, range_digests, read_meta, seal,
@@ -77,7 +79,7 @@ class Portable:
         """Trained parameter names in the module's order, each once."""
         seen = []
         for entry in self.state_dict.values():
-            name = entry[len("model."):] if entry.startswith("model.") else None
+            name = name_of(entry, MODEL)
             if name in self.params and name not in seen:
                 seen.append(name)
         return seen + [n for n in self.params if n not in seen]
@@ -108,14 +110,12 @@ class ZeroshardCheckpoint(Portable):
         self._saved = saved
         params = {n: (tuple(m["shape"]), m["group"]) for n, m in meta["params"].items()}
         frozen = {n: shape for n, (shape, g) in params.items() if g < 0}
-        frozen.update({k[len("frozen."):]: tuple(saved[k].size) for k in saved
-                       if k.startswith("frozen.")})
+        frozen.update({n: tuple(saved[k].size) for n, k in named(saved, FROZEN)})
         counters = dict(meta["counters"])
         super().__init__(
             path=path, source="zeroshard", stage=meta["stage"], world_size=meta["world_size"],
             params={n: v for n, v in params.items() if v[1] >= 0}, frozen=frozen,
-            buffers={k[len("buffer."):]: tuple(saved[k].size) for k in saved
-                     if k.startswith("buffer.")},
+            buffers={n: tuple(saved[k].size) for n, k in named(saved, BUFFER)},
             state_dict=dict(meta["state_dict"]), groups=meta["optimizer"]["groups"],
             optimizer_type=meta["optimizer"]["type"], counters=counters,
             scaler=meta.get("scaler"), lr_scheduler=meta.get("lr_scheduler"),
@@ -124,20 +124,19 @@ class ZeroshardCheckpoint(Portable):
 
     def tensor(self, key: str) -> torch.Tensor:
         """One entry, read by DCP after its saved bytes were checked against their digests."""
-        kind, _, name = key.partition(".")
-        if kind in ("model", "optim"):
-            param = name.split(".", 1)[1] if kind == "optim" else name
-            shape, stored = self.params[param][0], key
-        elif kind == "frozen":
+        kind, _, name = split_key(key)
+        if kind in (MODEL, OPTIM):
+            shape, stored = self.params[name][0], key
+        elif kind == FROZEN:
             shape = self.frozen[name]
-            stored = f"model.{name}" if name in self._stage3_frozen else key
+            stored = model_key(name) if name in self._stage3_frozen else key
         else:
             shape, stored = self.buffers[name], key
         if stored not in self._saved:
             raise CheckpointError(f"{self.path} has no {stored} (a checkpoint saved with "
                                   "exclude_frozen_parameters, or without optimizer state?)")
         properties = self._saved[stored]
-        flat = stored.startswith(("model.", "optim."))
+        flat = split_key(stored)[0] in (MODEL, OPTIM)
         out = torch.empty(math.prod(shape) if flat else shape, dtype=properties.properties.dtype,
                           device="cpu")
         self._reader.verify_ranges(self._reader.ranges_of([stored]))
@@ -154,15 +153,15 @@ def write_zeroshard(ckpt: Portable, tag_dir: str, tag: str) -> None:
     state: dict[str, torch.Tensor] = {}
     groups = ckpt.groups
     for name in ckpt.module_order():
-        state[f"model.{name}"] = ckpt.tensor(f"model.{name}").float().reshape(-1)
-        if groups is not None:
-            for key in groups[ckpt.params[name][1]]["tensor_keys"]:
-                state[f"optim.{key}.{name}"] = \
-                    ckpt.tensor(f"optim.{key}.{name}").float().reshape(-1)
-    for name in ckpt.frozen:
-        state[f"frozen.{name}"] = ckpt.tensor(f"frozen.{name}")
-    for name in ckpt.buffers:
-        state[f"buffer.{name}"] = ckpt.tensor(f"buffer.{name}")
+        whats = [MODEL] + (groups[ckpt.params[name][1]]["tensor_keys"] if groups is not None
+                           else [])
+        for what in whats:
+            key = flat_key(what, name)
+            state[key] = ckpt.tensor(key).float().reshape(-1)
+    for key in map(frozen_key, ckpt.frozen):
+        state[key] = ckpt.tensor(key)
+    for key in map(buffer_key, ckpt.buffers):
+        state[key] = ckpt.tensor(key)
     with quiet_dcp():
         dcp.save(state, storage_writer=FileSystemWriter(tag_dir), no_dist=True)
     try:

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from ..core.keys import MODEL, buffer_key, frozen_key, model_key, name_of, optim_key
 from ..core.layout import plain_named
 from .portable import Portable
 from .verify import CheckpointError, agree, strict_mismatch
@@ -130,9 +131,9 @@ class _OnDemand(dict):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:
             raise KeyError(key)
-        name = key[len("model."):] if key.startswith("model.") else None
+        name = name_of(key, MODEL)
         if name is not None and name not in self._ckpt.params:
-            key = f"frozen.{name}"
+            key = frozen_key(name)
         return self._ckpt.tensor(key)
 
 
@@ -145,12 +146,12 @@ def install(engine, ckpt: Portable, with_optim: bool, with_engine: bool,
     for name, meta in opt.sharded_state().param_meta().items():
         trained = meta["group"] >= 0
         if name in ckpt.params or (trained and name in ckpt.frozen):
-            keys.add(f"model.{name}")
+            keys.add(model_key(name))
             if trained and with_optim:
-                keys |= {f"optim.{k}.{name}"
+                keys |= {optim_key(k, name)
                          for k in ckpt.groups[ckpt.params[name][1]]["tensor_keys"]}
         elif name in ckpt.frozen:  # stage 3's untrained units read their whole saved values
-            keys.add(f"frozen.{name}")
+            keys.add(frozen_key(name))
     meta = {"type": ckpt.optimizer_type, "groups": ckpt.groups} if with_optim else None
     sharded = opt.sharded_state(saved_keys=keys, optimizer_meta=meta, optimizer_state=with_optim)
     sharded.state_dict()  # builds the read targets, writing nothing yet
@@ -162,12 +163,12 @@ def install(engine, ckpt: Portable, with_optim: bool, with_engine: bool,
             if id(param) in in_units:
                 continue
             if name in ckpt.frozen:
-                param.copy_(ckpt.tensor(f"frozen.{name}"))
+                param.copy_(ckpt.tensor(frozen_key(name)))
             elif name in ckpt.params:
-                param.copy_(ckpt.tensor(f"model.{name}"))
+                param.copy_(ckpt.tensor(model_key(name)))
         for name, buf in plain_named(engine.module.named_buffers()):
             if name in ckpt.buffers:
-                buf.copy_(ckpt.tensor(f"buffer.{name}"))
+                buf.copy_(ckpt.tensor(buffer_key(name)))
     if with_engine:
         _restore_engine(engine, ckpt, load_lr_scheduler_states)
 

@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from ..core.keys import FROZEN, MODEL, name_of
 from .names import META, unknown_format
 from .verify import CheckpointError
 
@@ -51,8 +52,8 @@ def fp32_state_dict(checkpoint_dir: str, tag: str | None = None,
             saved_as, params = meta["state_dict"], meta.get("params", {})
 
             def frozen(key: str) -> bool:  # saved whole below stage 3, in group -1 at stage 3
-                return key.startswith("frozen.") or \
-                    params.get(key[len("model."):], {}).get("group", 0) < 0
+                return name_of(key, FROZEN) is not None or \
+                    params.get(name_of(key, MODEL), {}).get("group", 0) < 0
 
             state = {k: v for k, v in state.items() if not frozen(saved_as.get(k, ""))}
         return state
@@ -62,7 +63,7 @@ def fp32_state_dict(checkpoint_dir: str, tag: str | None = None,
     ckpt = DeepSpeedCheckpoint(path)
     out, made = {}, {}
     for key, entry in ckpt.state_dict.items():
-        if exclude_frozen_parameters and entry.startswith("frozen."):
+        if exclude_frozen_parameters and name_of(entry, FROZEN) is not None:
             continue
         if entry not in made:
             value = ckpt.tensor(entry)

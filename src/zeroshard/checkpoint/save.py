@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core.hostmem import host_region
+from ..core.keys import buffer_key, frozen_key, model_key
 from ..core.layout import plain_named
 from ..dist.process_group import describe_step_counts, step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
@@ -110,10 +111,10 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
     whole: dict[str, object] = {}
     if not exclude_frozen:
         in_units = {id(p) for _, p in sharded.named_parameters()}
-        whole.update({f"frozen.{name}": param.detach()
+        whole.update({frozen_key(name): param.detach()
                       for name, param in plain_named(engine.module.named_parameters())
                       if id(param) not in in_units})
-    whole.update({f"buffer.{name}": buf.detach()
+    whole.update({buffer_key(name): buf.detach()
                   for name, buf in plain_named(engine.module.named_buffers())})
     state.update(whole)
     needed = sharded.nbytes(state) + (_bytes_of(whole) if rank == 0 else 0)
@@ -286,13 +287,13 @@ def _fsync_dir(path: str) -> None:
 def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
     """`module.state_dict()` key -> the saved entry holding it (tied weights share one)."""
     sharded = engine.optimizer.sharded_state(frozen=not exclude_frozen)
-    saved_name = {id(p): f"model.{name}" for name, p in sharded.named_parameters()}
+    saved_name = {id(p): model_key(name) for name, p in sharded.named_parameters()}
     # Plain names (`_orig_mod.` dropped): a compiled model's checkpoint loads into a plain one.
     for name, param in plain_named(engine.module.named_parameters()):
         if id(param) not in saved_name and not exclude_frozen:
-            saved_name[id(param)] = f"frozen.{name}"
+            saved_name[id(param)] = frozen_key(name)
     for name, buf in plain_named(engine.module.named_buffers()):
-        saved_name.setdefault(id(buf), f"buffer.{name}")
+        saved_name.setdefault(id(buf), buffer_key(name))
     return {key: saved_name[id(t)]
             for key, t in plain_named(engine.module.state_dict(keep_vars=True).items())
             if id(t) in saved_name}

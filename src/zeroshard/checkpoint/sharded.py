@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..core.hostmem import host_region
+from ..core.keys import BUFFER, FROZEN, buffer_key, frozen_key, model_key, named
 from ..core.layout import plain_named
 from .directory import describe_failure
 from .names import CLIENT, FORMAT, LATEST, META, quiet_dcp, sampler_of, unknown_format
@@ -194,11 +195,11 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     for n, p in plain_named(engine.module.named_parameters()):
         if id(p) in in_units:
             continue
-        if f"frozen.{n}" in saved_keys or f"model.{n}" not in saved_keys:
-            rest[f"frozen.{n}"] = p.detach()
+        if frozen_key(n) in saved_keys or model_key(n) not in saved_keys:
+            rest[frozen_key(n)] = p.detach()
         else:  # saved sharded by a stage-3 engine: the whole parameter reads every fragment
-            rest[f"model.{n}"] = p.detach().view(-1)
-    rest.update({f"buffer.{n}": b.detach() for n, b in plain_named(engine.module.named_buffers())})
+            rest[model_key(n)] = p.detach().view(-1)
+    rest.update({buffer_key(n): b.detach() for n, b in plain_named(engine.module.named_buffers())})
     # Frozen parameters saved with exclude_frozen_parameters keep their current values.
     state.update({k: v for k, v in rest.items() if k in saved_keys})
     # Exactly the byte ranges DCP will read for this rank: DCP's own planner says which.
@@ -217,12 +218,11 @@ def _check_strict(engine, meta, saved_keys: set, path: str) -> None:
     the checkpoint lacks, are errors naming them (DeepSpeed's load_state_dict(strict=True))."""
     names = {n for n, _ in plain_named(engine.module.named_parameters())}
     extra = sorted(set(meta["params"]) - names)
-    extra += sorted(k.split(".", 1)[1] for k in saved_keys
-                    if k.startswith("frozen.") and k.split(".", 1)[1] not in names)
-    buffers = {f"buffer.{n}" for n, _ in plain_named(engine.module.named_buffers())}
-    saved_buffers = {k for k in saved_keys if k.startswith("buffer.")}
-    extra += sorted(k.split(".", 1)[1] for k in saved_buffers - buffers)
-    lacking = sorted(k.split(".", 1)[1] for k in buffers - saved_buffers)
+    extra += sorted(n for n, _ in named(saved_keys, FROZEN) if n not in names)
+    buffers = {n for n, _ in plain_named(engine.module.named_buffers())}
+    saved_buffers = {n for n, _ in named(saved_keys, BUFFER)}
+    extra += sorted(saved_buffers - buffers)
+    lacking = sorted(buffers - saved_buffers)
     strict_mismatch(path, extra, lacking)
 
 

@@ -311,7 +311,8 @@ def _alias_env(args: argparse.Namespace, source: str) -> dict[str, str]:
         return {}
     path = os.environ.get("PYTHONPATH", "")
     # The shim directory also holds deepspeed's package metadata (for transformers', accelerate's
-    # and TRL's availability checks) and a sitecustomize.py that runs integrations/worker_hooks.py.
+    # and TRL's availability checks) and a sitecustomize.py that runs
+    # compat/accelerate/worker_hooks.py.
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), path) if p),
             "ZEROSHARD_WORKER_HOOKS": "1"}
 

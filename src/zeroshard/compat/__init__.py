@@ -9,6 +9,7 @@
 * `lightning.py`: the Lightning strategy.
 
 Nothing below this layer imports it; `import zeroshard` loads none of it (the public names reach
-it on first use). The older import paths (`zeroshard.zero`, `zeroshard.integrations.hf`, ...) are
-thin modules re-exporting from here.
+it on first use: `zeroshard.zero`, `.comm`, `.ops`, `.utils` are these modules). The documented
+paths `zeroshard.accelerator` and `zeroshard.integrations.hf` / `.lightning` are the same module
+objects as their homes here.
 """

@@ -20,8 +20,7 @@ import torch
 
 from ..dist import Comm
 from .hostmem import return_freed_memory
-from .init import take_full
-from .init_units import leave_init_unit
+from .init_units import leave_init_unit, take_full
 from .layout import INIT_ATTR, Unit, flatten
 
 

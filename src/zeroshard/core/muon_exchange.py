@@ -48,6 +48,7 @@ import torch
 
 from ..dist import Comm
 from .hostmem import host_copy, host_zeros, is_host, to_device
+from .keys import optim_key
 from .layout import Slot, Unit
 from .muon import muon_update, ns_dtype
 
@@ -253,7 +254,7 @@ class MuonExchange:
         for m in self.matrices:
             buf = self.momentum.get(m.index) if m.owner == self.rank else None
             pieces = [(0, buf.reshape(-1))] if buf is not None else []
-            out[f"optim.{MOMENTUM_KEY}.{m.name}"] = fragments(
+            out[optim_key(MOMENTUM_KEY, m.name)] = fragments(
                 m.slot.numel, pieces, self.momentum_dtype, self._where())
         return out
 
@@ -268,7 +269,7 @@ class MuonExchange:
                     if self.place == "cpu" else torch.zeros(
                         m.slot.shape, dtype=self.momentum_dtype, device=self._device())
                 pieces = [(0, buffers[m.index].reshape(-1))]
-            entries[f"optim.{MOMENTUM_KEY}.{m.name}"] = fragments(
+            entries[optim_key(MOMENTUM_KEY, m.name)] = fragments(
                 m.slot.numel, pieces, self.momentum_dtype, self._where())
         return entries, buffers
 

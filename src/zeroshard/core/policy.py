@@ -33,7 +33,10 @@ def eager_hook(fn):
     # that bump the parameters' version counters (the "modified by an inplace operation" error of
     # backward) and fails on storage resizes; run eagerly, a compiled region only ever sees whole
     # parameters, between the hooks at unit boundaries.
-    return torch.compiler.disable(fn, recursive=True)
+    # torch.compiler.disable imports torch._dynamo (~1.3 s) when this module is imported; torch's
+    # lazy form (the same disable; its wrapper is on dynamo's skip list, so a trace still breaks
+    # once per call) imports it at the first call instead, so `import zeroshard` stays light.
+    return torch._disable_dynamo(fn, recursive=True)
 
 
 class StagePolicy:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..dist import Comm
-from .init import take_full
+from .init_units import take_full
 from .layout import Unit, build_units
 from .materialize import materialize
 from .partition import Stage3Layout, build_stage3_layout

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .keys import flat_key, frozen_key, model_key, optim_key
 from .mics import replica_position
 from .muon_exchange import MOMENTUM_KEY
 
@@ -217,14 +218,14 @@ class ShardedState:
             tensors = {k: self._rank_shard(unit, v) for k, v in unit_state.items()
                        if k in keys[unit.group_index]}
             for slot in unit.slots:
-                state[f"model.{slot.name}"] = _fragments(unit, slot, lo, hi, shard)
+                state[model_key(slot.name)] = _fragments(unit, slot, lo, hi, shard)
                 for key, value in tensors.items():
-                    state[f"optim.{key}.{slot.name}"] = _fragments(unit, slot, lo, hi, value)
+                    state[optim_key(key, slot.name)] = _fragments(unit, slot, lo, hi, value)
         for unit in frozen:
             lo, hi = self._bounds(unit)
             shard = opt.policy.read_owned(unit).detach()
             for slot in unit.slots:
-                state[f"model.{slot.name}"] = _fragments(unit, slot, lo, hi, shard)
+                state[model_key(slot.name)] = _fragments(unit, slot, lo, hi, shard)
         if opt.muon is not None and units:
             state.update(opt.muon.entries(Fragments))
         return state
@@ -250,20 +251,20 @@ class ShardedState:
             entries = {}
             for slot in unit.slots:
                 for key, target in tensors.items():
-                    name = f"model.{slot.name}" if key == "model" else f"optim.{key}.{slot.name}"
+                    name = flat_key(key, slot.name)
                     entries[name] = _fragments(unit, slot, lo, hi, target)
             out.append((unit, tensors, entries))
         for unit in self.frozen_units:
             shard, entries, wholes = None, {}, []
             lo, hi = self._bounds(unit)
             for slot in unit.slots:
-                if f"model.{slot.name}" in self.saved_keys:
+                if model_key(slot.name) in self.saved_keys:
                     shard = opt.policy.read_owned(unit).detach().clone() if shard is None \
                         else shard
-                    entries[f"model.{slot.name}"] = _fragments(unit, slot, lo, hi, shard)
-                elif f"frozen.{slot.name}" in self.saved_keys:
+                    entries[model_key(slot.name)] = _fragments(unit, slot, lo, hi, shard)
+                elif frozen_key(slot.name) in self.saved_keys:
                     whole = torch.empty(slot.shape, dtype=unit.dtype, device=unit.compute_device)
-                    entries[f"frozen.{slot.name}"] = whole
+                    entries[frozen_key(slot.name)] = whole
                     wholes.append((slot, whole))
             if shard is None and wholes:
                 shard = opt.policy.read_owned(unit).detach().clone()

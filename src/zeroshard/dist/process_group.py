@@ -1,8 +1,8 @@
 """Starting and ending the default process group: torchrun's or Slurm's environment (or a world of
 one) in, groups destroyed cleanly at interpreter exit.
 
-`zeroshard.comm` re-exports `init_distributed` and `leave_cleanly_at_exit`, the names users and
-`deepspeed.comm` scripts call.
+`zeroshard.comm` (compat/deepspeed/comm.py) re-exports `init_distributed` and
+`leave_cleanly_at_exit`, the names users and `deepspeed.comm` scripts call.
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
-"""The older import paths of the integrations (`zeroshard.integrations.hf`, `.lightning`,
-`.accelerate`, `.deepspeed_alias`, ...): thin modules re-exporting from their home in
-`zeroshard.compat` (compat/hf, compat/lightning.py, compat/accelerate, compat/deepspeed)."""
+"""`zeroshard.integrations.hf` and `.lightning`: the documented import paths of the Hugging Face and
+Lightning integrations (DESIGN.md's `zeroshard.integrations.hf.from_pretrained`). Each is the very
+module of its home in `zeroshard.compat`, not a copy of its names."""

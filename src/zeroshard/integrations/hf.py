@@ -1,6 +1,10 @@
-"""`zeroshard.integrations.hf`, an old import path kept working (the docs' `ZeroTrainer`,
-`from_pretrained`): re-exports `zeroshard.compat.hf.trainer` and `.load`, their home."""
+"""`zeroshard.integrations.hf`: the documented path of `zeroshard.compat.hf` (`ZeroTrainer`,
+`from_pretrained`, `from_config`), which is what importing it gives."""
 
-from ..compat.hf.trainer import (STATE_NAME, HfZero3Config, ZeroTrainer, hf_known,
-                                 last_checkpoint, resolve_hf_config, zero3_announced)  # noqa: F401
-from ..compat.hf.load import from_config, from_pretrained  # noqa: F401
+import sys
+
+from ..compat import hf as _home
+
+# The same module object under both names: its names (imported on first use, so transformers is
+# not imported here) cannot drift from a re-exported list, and isinstance checks agree.
+sys.modules[__name__] = _home

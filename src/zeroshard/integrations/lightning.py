@@ -1,6 +1,9 @@
-"""`zeroshard.integrations.lightning`, an old import path kept working: re-exports
-`zeroshard.compat.lightning`, the Lightning strategy's home."""
+"""`zeroshard.integrations.lightning`: the documented path of `zeroshard.compat.lightning`
+(`ZeroShardStrategy`), which is what importing it gives."""
 
-from ..compat.lightning import ZeroShardStrategy  # noqa: F401
+import sys
 
-__all__ = ["ZeroShardStrategy"]
+from ..compat import lightning as _home
+
+# The same module object under both names (see hf.py).
+sys.modules[__name__] = _home

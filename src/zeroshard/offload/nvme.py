@@ -349,7 +349,3 @@ class BufferPool:
     def tensors(self) -> list[torch.Tensor]:
         """Free buffers (for the memory ledger; buffers in use are counted by their users)."""
         return list(self.free)
-
-    def nbytes_total(self) -> int:
-        """Bytes of all buffers of the pool."""
-        return self.nbytes * self.count

@@ -39,7 +39,6 @@ from ..core.layout import Unit
 from ..core.streams import Streams
 from .early import EarlyStep
 
-PLACEMENT_NAMES = ("device", "cpu", "nvme")
 # torch optimizers whose fused kernels skip the update where `optimizer.found_inf` is 1.
 _TAKES_FOUND_INF = {"Adam", "AdamW", "SGD", "Adagrad"}
 # torch optimizers given `fused=True` when the user left it unset.

@@ -1,7 +1,7 @@
 """Estimates across nodes: inter-node bytes per step and ZeRO++ hpZ's row, for `estimate`/`plan`.
 
-Inter-node bytes follow the comm ledger's ring model (zeroshard.comm): a collective over n GPUs
-is a ring in rank order whose bytes cross nodes in proportion to the ring's hops between nodes
+Inter-node bytes follow the comm ledger's ring model (zeroshard.dist.comm): a collective over n
+GPUs is a ring in rank order whose bytes cross nodes in proportion to the ring's hops between nodes
 (1/G of them for the whole world on nodes of G GPUs; none for a group inside one node).
 
 hpZ (`zero_hpz_partition_size` = P, stage 3): each GPU also holds a secondary parameter shard of

@@ -112,7 +112,7 @@ def zero3_announced(config: dict, enabled: bool = True):
     rank after training must not start collectives the other ranks never join).
 
     Those code paths `import deepspeed`: where DeepSpeed is not installed, that name is aliased
-    to zeroshard in this process (integrations/deepspeed_alias.py), as under `zeroshard run`."""
+    to zeroshard in this process (compat/deepspeed/alias.py), as under `zeroshard run`."""
     if not enabled:
         yield None
         return

@@ -51,7 +51,7 @@ CORE_LAYERS = {
     "stages": {"spec", "reduction", "policy", "stage0", "stage1", "stage2", "stage3", "schedule",
                "generation", "guards", "shard_store", "stage3_views"},
     # Building a model partitioned (Init) and gathering it back (GatheredParameters).
-    "construct": {"init", "gathered"},
+    "construct": {"init", "gathered", "sanity"},
     # The sharded optimizer over a stage: its step, state dict, loss scaler, Muon, Lion.
     "optimizer": {"optim", "state", "fragments", "muon", "muon_exchange", "lion", "scaler",
                   "no_optimizer", "user_backward"},

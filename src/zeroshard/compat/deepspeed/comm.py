@@ -43,8 +43,16 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     if not is_initialized():
         return None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def destroy_process_group(group=None) -> None:
+    """Tear down `group` (default: the world's process group); no-op when none exists."""
+    if is_initialized():
+        dist.destroy_process_group(group)
+
+
 ReduceOp = dist.ReduceOp
 
 __all__ = ["Comm", "HostLayout", "HostMemoryError", "ReduceOp", "all_reduce", "barrier",
-           "default_device", "env_int", "get_local_rank", "get_rank", "get_world_size",
+           "default_device", "destroy_process_group", "env_int", "get_local_rank", "get_rank", "get_world_size",
            "init_distributed", "is_initialized", "leave_cleanly_at_exit", "strict_host", "wait_all"]

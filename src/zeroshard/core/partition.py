@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .layout import Slot, Unit, build_units, full_numel, full_shape, padded_size
+from .leaf import z3_leaf_module
 
 #: Attribute on a module listing parameters of other modules its forward uses directly.
 EXTERNAL_ATTR = "_zeroshard_external_params"
@@ -70,7 +71,10 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
-    """The (name, module) pairs that become stage-3 units, in registration order (root excluded)."""
+    """The (name, module) pairs that become stage-3 units, in registration order: ("", model)
+    alone when the root is a leaf module (utils: set_z3_leaf_modules), else never the root."""
+    if z3_leaf_module(model):
+        return [("", model)]
     named = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
     if class_names is not None:
         wanted = set(class_names)
@@ -92,11 +96,13 @@ def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list
                     if child_name and type(child) in repeated and type(child) is not type(module):
                         nested.add(type(child))
         chosen = {n for n, m in named if type(m) in repeated - nested}
-    # DeepSpeed's leaf marks (utils/z3_leaf.py): a marked module is gathered whole.
-    chosen |= {n for n, m in named if getattr(m, "_z3_leaf", False)}
+    # DeepSpeed's leaf marks (leaf.py): a marked module is gathered whole, a marked container
+    # (a ModuleList of experts) too.
+    every = [(n, m) for n, m in model.named_modules() if n]
+    chosen |= {n for n, m in every if z3_leaf_module(m)}
     # Keep only outermost chosen modules (a chosen module inside another is part of it).
     out = []
-    for name, module in named:
+    for name, module in every:
         if name in chosen and not any(name.startswith(o + ".") for o, _ in out):
             if _has_params(module):
                 out.append((name, module))
@@ -111,7 +117,7 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
     `group_of`) by optimizer group, and frozen ones (requires_grad False, not in the optimizer)
     in units of their own, so a frozen base is sharded too."""
     blocks = unit_modules(model, class_names)
-    block_prefixes = [name + "." for name, _ in blocks]
+    block_prefixes = [name + "." if name else "" for name, _ in blocks]  # "": the root is a leaf
     modules = dict(model.named_modules())
     owner_of: dict[int, str] = {}  # id(param) -> its owning module's name ("" = the root)
     by_owner: dict[str, list[tuple[str, nn.Parameter]]] = {}  # registration order of first param

@@ -44,4 +44,4 @@ def add_external_parameters_method(model: nn.Module) -> None:
 
 
 def _external(module: nn.Module):
-    return [(str(i), p) for i, p in enumerate(module.__dict__.get(EXTERNAL_ATTR, []))]
+    return [(str(i), p) for i, p in enumerate(module.__dict__.get(EXTERNAL_ATTR, {}).values())]

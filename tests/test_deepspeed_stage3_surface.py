@@ -104,7 +104,11 @@ class ExtRead(nn.Module):
     def forward(self, x, which=0):
         h = self.linear2(self.linear1(x))
         out = F.linear(h, self.linear1.weight)
-        late = self._modules.get("late")  # attached after initialize (the late-module case)
+        # Attached after initialize (the late-module case): a new layer, and one whose weight
+        # is linear2's (sharded, so it must be gathered when the late layer reads it).
+        late, tied = self._modules.get("late"), self._modules.get("late_tied")
+        if tied is not None:
+            out = out + tied(out)
         return late(out) if late is not None else out
 
 
@@ -340,12 +344,15 @@ def _late_module(rank, world):
     late = nn.Linear(DIM, DIM)
     before = late.weight.detach().clone()
     model.late = late  # after initialize: run whole, never partitioned, not in the optimizer
+    model.late_tied = nn.Linear(DIM, DIM, bias=False)
+    model.late_tied.weight = model.linear2.weight
     x, _ = _data(0, rank)
     with torch.no_grad():
         first, second = engine(x), engine(x)
         with zeroshard.GatheredParameters(list(model.linear1.parameters()) +
                                           list(model.linear2.parameters())):
-            expected = late(F.linear(model.linear2(model.linear1(x)), model.linear1.weight))
+            h = F.linear(model.linear2(model.linear1(x)), model.linear1.weight)
+            expected = late(h + F.linear(h, model.linear2.weight))
     for step in range(2):
         engine.backward(_loss(engine, step, rank))
         engine.step()
@@ -446,7 +453,7 @@ def test_returned_parameter_is_covered_by_the_caller(world):
         assert got["err"] < 1e-5 and got["released"]
 
 
-def test_module_attached_after_initialize_runs(world):
+def test_modules_attached_after_initialize_run(world):
     for got in _each(world, "late_module"):
         assert got["same"] and got["err"] < 1e-6
         assert got["whole"] and got["untouched"] and got["released"]

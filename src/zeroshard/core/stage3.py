@@ -52,7 +52,6 @@ from torch.utils._pytree import tree_leaves
 
 from ..dist import Comm
 from .stage3_reads import ParameterReads
-from .stage3_views import add_external_parameters_method
 from . import generation
 from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
@@ -264,7 +263,6 @@ class Stage3(Stage2):
                 guard_pickling(param)
         for module in self.module.modules():
             self.hooks.append(guard_state_dict(module))
-        add_external_parameters_method(self.module)
 
     @_eager_hook
     def _pre_forward(self, module: torch.nn.Module, is_root: bool) -> None:
@@ -277,6 +275,8 @@ class Stage3(Stage2):
         if is_root and not in_backward:
             self.schedule.start_step()
             self.active.clear()
+            if self.reads is not None:
+                self.reads.adopt(module)  # modules attached after initialize()
         if not needs:  # a module that only marks the forward stack (stage3_reads.py)
             return
         for index in needs:

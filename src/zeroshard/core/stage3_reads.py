@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .partition import EXTERNAL_ATTR, register_external_parameter
+from .stage3_views import add_external_parameters_method
 
 
 class WatchedParameters(dict):
@@ -36,6 +37,11 @@ class WatchedParameters(dict):
 
     def __getitem__(self, name):
         param = dict.__getitem__(self, name)
+        # Traced by torch.compile, a read is a plain dict read: compiled code runs between the
+        # (eager) hooks on whole units, and tracing the watcher would put engine state in the
+        # graph's guards.
+        if torch.compiler.is_compiling():
+            return param
         watcher = self.watcher
         if watcher.stack:  # no forward running: a plain dict read
             watcher.read(param)
@@ -57,6 +63,14 @@ class ParameterReads:
         #: Hooked modules whose forward is running, innermost last.
         self.stack: list[nn.Module] = []
         self.watched: list[nn.Module] = []
+        self.adopt(model)
+
+    def adopt(self, model: nn.Module) -> None:
+        """Watch every module of `model` holding sharded parameters, and give each module
+        `_external_params` and `ds_external_parameters()` (what callers read to see what a
+        module uses from outside it).
+        Run again at each step's start: a module attached after `initialize()` that holds one
+        (a new head tied to the embedding) is watched from its first forward on."""
         for module in model.modules():
             own = module.__dict__.get("_parameters")
             if type(own) is dict and any(p is not None and id(p) in self.unit_of
@@ -65,8 +79,9 @@ class ParameterReads:
                 watched.watcher = self
                 module._parameters = watched
                 self.watched.append(module)
-            # What a caller reads to see which parameters a module uses from outside it.
-            module.__dict__.setdefault(EXTERNAL_ATTR, {})
+            if EXTERNAL_ATTR not in module.__dict__:
+                module.__dict__[EXTERNAL_ATTR] = {}
+            add_external_parameters_method(module)
 
     def close(self) -> None:
         """Give every watched module a plain `_parameters` dict again."""

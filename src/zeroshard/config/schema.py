@@ -279,7 +279,8 @@ class ZeroConfig(_Block):
         for path, key, fires, _ in INERT_VALUES:
             block = _block(self, path)
             value = getattr(block, key)
-            if fires(value, self) and value == type(block).model_fields[key].default:
+            default = type(block).model_fields[key].get_default(call_default_factory=True)
+            if fires(value, self) and value == default:
                 node = exclude
                 for part in filter(None, path.split(".")):
                     node = node.setdefault(part, {})

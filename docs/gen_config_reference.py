@@ -115,6 +115,10 @@ MEANING: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ: reduce gradients quantized, hierarchically.",
     "zero_optimization.mics_shard_size": "MiCS: shard over groups of this many ranks and replicate across groups; -1 is off.",
     "zero_optimization.memory_efficient_linear": "Stage 3: a linear layer that saves less for backward.",
+    "zero_optimization.leaf_module": "Stage 3: modules fetched whole at their forward, with no hooks on their children (DeepSpeed 0.18+), e.g. mixture-of-experts blocks whose experts run in data-dependent order.",
+    "zero_optimization.leaf_module.classes": "Leaf module classes, by class name or fully-qualified `module.qualname`.",
+    "zero_optimization.leaf_module.names": "Leaf modules by their `named_modules()` name.",
+    "zero_optimization.leaf_module.name_suffixes": "Every module whose name ends with one of these is a leaf.",
     "zero_optimization.enable_sanity_checks": "Extra checks for debugging; stage 3: an in-place change to gathered parameters inside GatheredParameters with modifier_rank=None raises on every rank.",
     # aio
     "aio.block_size": "Bytes per I/O request.",

@@ -32,6 +32,7 @@ from .core.layout import INIT_ATTR
 from .core.sanity import check_in_place_writes
 from .core.hostsync import HostSyncs
 from .core.mics import mics_comms, sync_replicas
+from .core.leaf import apply_leaf_module_config
 from .core.no_optimizer import NoPlacement, is_placeholder, make_no_placement, placeholder_optimizer
 from .core.muon_exchange import MuonExchange
 from .core.optim import ZeroOptimizer, build_optimizer
@@ -141,6 +142,9 @@ def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfi
                 for p in group["params"] if p.requires_grad}
     # Every rank starts from rank 0's weights (as DDP does), taken in full precision before the
     # masters are made and the units cast, so unseeded initialisations cannot diverge.
+    # The config's leaf modules are marked first: stage 3 makes each one unit (as DeepSpeed does,
+    # the marks are set at every stage).
+    apply_leaf_module_config(model, zero.leaf_module)
     units, layout = lay_out(model, group_of, opt_comm, zero.stage, zero.reduce_bucket_size,
                             zero.stage3_param_persistence_threshold, zero.zeroshard_unit_classes,
                             device)

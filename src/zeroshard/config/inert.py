@@ -38,7 +38,7 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
         "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
         "stage3_gather_16bit_weights_on_model_save", "stage3_module_granularity_threshold",
         "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "memory_efficient_linear",
-        "zeroshard_unit_classes")],
+        "zeroshard_unit_classes", "leaf_module")],
     # Accepted at stage 3 but not implemented: unit modules, persistence and gathering are chosen
     # by zeroshard's own rules (stage3_param_persistence_threshold, zeroshard_unit_classes).
     *[("zero_optimization", k, lambda v, c: c.zero_optimization.stage == 3, _NO_EFFECT) for k in (

@@ -21,6 +21,7 @@ from .fields import (AnyInt, Bool, DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS, D
                      NonNegInt, Period, PosFloat, PosInt, Str, _DTYPE, _check_names, _choice, _float,
                      _int, _match_name, _show)
 from .inert import INERT_KEYS, INERT_VALUES
+from .leaf_module import LeafModuleConfig
 from .monitoring import (SECTIONS as _WATCH_SECTIONS, ActivationCheckpointingConfig, CometConfig,
                          CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig,
                          TensorBoardConfig, WandbConfig)
@@ -195,6 +196,9 @@ class ZeroOptimizationConfig(_Block):
     memory_efficient_linear: Bool = True
     enable_sanity_checks: Bool = False
     save_muon_momentum_buffer_in_memory: Bool = False
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Modules gathered whole at their forward (DeepSpeed's ZeRO-3 leaf modules), by class, name
+    or name suffix; stage 3 makes each one unit (config/leaf_module.py)."""
     zeroshard_unit_classes: Annotated[list[str], BeforeValidator(_check_names)] | None = None
     """zeroshard only: module class names (e.g. ["GPT2Block"]) whose instances each become one
     stage-3 unit, gathered and released together; None picks every repeating module class."""
@@ -275,7 +279,8 @@ class ZeroConfig(_Block):
         for path, key, fires, _ in INERT_VALUES:
             block = _block(self, path)
             value = getattr(block, key)
-            if fires(value, self) and value == type(block).model_fields[key].default:
+            default = type(block).model_fields[key].get_default(call_default_factory=True)
+            if fires(value, self) and value == default:
                 node = exclude
                 for part in filter(None, path.split(".")):
                     node = node.setdefault(part, {})
@@ -289,6 +294,7 @@ _SCHEMA: dict[str, type[BaseModel]] = {
     "scheduler": SchedulerConfig, "zero_optimization": ZeroOptimizationConfig, "aio": AioConfig,
     "zero_optimization.offload_optimizer": OffloadOptimizerConfig,
     "zero_optimization.offload_param": OffloadParamConfig,
+    "zero_optimization.leaf_module": LeafModuleConfig,
     **_WATCH_SECTIONS,
 }
 

@@ -14,7 +14,8 @@ Parameters smaller than `stage3_param_persistence_threshold` elements stay whole
 modules (tied weights: GPT-2's `lm_head` and `wte`) belongs to the unit of the first module that
 holds it in registration order, and is laid out once; every module that uses it gathers that unit
 too (it *borrows* it). A module whose forward uses another module's parameter directly (not by
-calling that module) declares it with `zeroshard.zero.register_external_parameter(module, param)`.
+calling that module) declares it with `zeroshard.zero.register_external_parameter(module, param)`,
+or stage 3 finds it when it is read or returned (`stage3_reads.py`).
 
 Each (owning module, param group, dtype) gives one `Unit` of the common layout. Building the
 layout allocates nothing: `materialize.py` then shards the units one at a time.
@@ -29,9 +30,11 @@ import torch
 from torch import nn
 
 from .layout import Slot, Unit, build_units, full_numel, full_shape, padded_size
+from .leaf import z3_leaf_module
 
-#: Attribute on a module listing parameters of other modules its forward uses directly.
-EXTERNAL_ATTR = "_zeroshard_external_params"
+#: Attribute on a module: {id(param): param} of other modules' parameters its forward uses
+#: directly (DeepSpeed's name and shape, which callers read).
+EXTERNAL_ATTR = "_external_params"
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 #: The group index of a unit of frozen parameters (no optimizer param group).
@@ -60,9 +63,7 @@ class Stage3Layout:
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Declare that `module`'s forward uses `parameter` of another module directly (stage 3
     then gathers it around `module` too); DeepSpeed's name, a no-op below stage 3."""
-    external = module.__dict__.setdefault(EXTERNAL_ATTR, [])
-    if not any(p is parameter for p in external):
-        external.append(parameter)
+    module.__dict__.setdefault(EXTERNAL_ATTR, {})[id(parameter)] = parameter
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -70,7 +71,10 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
-    """The (name, module) pairs that become stage-3 units, in registration order (root excluded)."""
+    """The (name, module) pairs that become stage-3 units, in registration order: ("", model)
+    alone when the root is a leaf module (utils: set_z3_leaf_modules), else never the root."""
+    if z3_leaf_module(model):
+        return [("", model)]
     named = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
     if class_names is not None:
         wanted = set(class_names)
@@ -92,11 +96,14 @@ def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list
                     if child_name and type(child) in repeated and type(child) is not type(module):
                         nested.add(type(child))
         chosen = {n for n, m in named if type(m) in repeated - nested}
-    # DeepSpeed's leaf marks (utils/z3_leaf.py): a marked module is gathered whole.
-    chosen |= {n for n, m in named if getattr(m, "_z3_leaf", False)}
+    # DeepSpeed's leaf marks (leaf.py): a marked module is gathered whole. A marked container
+    # (a ModuleList of experts) is never called itself: its children's reads gather it
+    # (stage3_reads.py), all of it at once.
+    every = [(n, m) for n, m in model.named_modules() if n]
+    chosen |= {n for n, m in every if z3_leaf_module(m)}
     # Keep only outermost chosen modules (a chosen module inside another is part of it).
     out = []
-    for name, module in named:
+    for name, module in every:
         if name in chosen and not any(name.startswith(o + ".") for o, _ in out):
             if _has_params(module):
                 out.append((name, module))
@@ -111,7 +118,7 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
     `group_of`) by optimizer group, and frozen ones (requires_grad False, not in the optimizer)
     in units of their own, so a frozen base is sharded too."""
     blocks = unit_modules(model, class_names)
-    block_prefixes = [name + "." for name, _ in blocks]
+    block_prefixes = [name + "." if name else "" for name, _ in blocks]  # "": the root is a leaf
     modules = dict(model.named_modules())
     owner_of: dict[int, str] = {}  # id(param) -> its owning module's name ("" = the root)
     by_owner: dict[str, list[tuple[str, nn.Parameter]]] = {}  # registration order of first param
@@ -179,8 +186,12 @@ def build_stage3_layout(model: nn.Module, group_of: dict[int, int], world_size: 
                 units_for(p for p in module._parameters.values() if p is not None)
         else:
             needed = set()
-        needed |= units_for(module.__dict__.get(EXTERNAL_ATTR, []))
-        if not needed and module is not model:  # the root's pre-hook also marks each new step
+        needed |= units_for(module.__dict__.get(EXTERNAL_ATTR, {}).values())
+        # Hooked: what needs units, the root (its pre-hook also marks each new step), and every
+        # other module outside the blocks with parameters below it, which marks the forward
+        # stack that finds parameters used outside their module (stage3_reads.py).
+        if not needed and module is not model and \
+                (inside or isinstance(module, CONTAINERS) or not _has_params(module)):
             continue
         layout.needs[id(module)] = sorted(needed)
         # Borrowed and frozen units get no gradient to wait for: released once the module's

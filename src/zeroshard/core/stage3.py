@@ -51,7 +51,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..dist import Comm
-from .stage3_views import add_external_parameters_method
+from .stage3_reads import ParameterReads
 from . import generation
 from .guards import guard_pickling, guard_state_dict
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
@@ -102,6 +102,7 @@ class Stage3(Stage2):
         self.store = store if store is not None else \
             ShardStore([u for u in self.by_index.values() if u.index in self.sharded])
         self.lossy: set[int] = set()  # gathered units holding qwZ-decoded (not exact) weights
+        self.reads: ParameterReads | None = None  # made with the hooks (`_attach`)
         super().__init__(units, comm, spec, module=module, syncs=syncs, early=early,
                          streams=streams)
 
@@ -244,17 +245,15 @@ class Stage3(Stage2):
         self._guard_saving()
         if self.module is not None:
             generation.install(self.module, self)
-        for module in self.layout.modules:
-            needs = self.layout.needs[id(module)]
-            borrowed = self.layout.borrowed.get(id(module), [])
+        # Parameters used outside the modules that gather them are found as they are used.
+        self.reads = ParameterReads(self, self.module) if self.module is not None else None
+        for module in self.layout.modules:  # needs are looked up at each call: reads add some
             is_root = module is self.module
-            if not needs and not is_root:  # the root's pre-hook also marks each new step
-                continue
             self.hooks.append(module.register_forward_pre_hook(
-                lambda mod, args, n=needs, r=is_root: self._pre_forward(n, r)))
+                lambda mod, args, r=is_root: self._pre_forward(mod, r)))
             self.hooks.append(module.register_forward_hook(
-                lambda mod, args, kwargs, out, n=needs, b=borrowed, r=is_root:
-                self._post_forward(n, out, b, (args, kwargs), r), with_kwargs=True))
+                lambda mod, args, kwargs, out, r=is_root:
+                self._post_forward(mod, out, (args, kwargs), r), with_kwargs=True))
 
     def _guard_saving(self) -> None:
         """torch.save of released parameters raises, state_dict() warns (guards.py)."""
@@ -264,16 +263,22 @@ class Stage3(Stage2):
                 guard_pickling(param)
         for module in self.module.modules():
             self.hooks.append(guard_state_dict(module))
-        add_external_parameters_method(self.module)
 
     @_eager_hook
-    def _pre_forward(self, needs: list[int], is_root: bool) -> None:
+    def _pre_forward(self, module: torch.nn.Module, is_root: bool) -> None:
         if self.holding_all:
             return  # every unit is gathered and stays so until hold_all ends
+        if self.reads is not None:
+            self.reads.push(module, is_root)
+        needs = self.layout.needs.get(id(module), ())
         in_backward = _in_backward()
         if is_root and not in_backward:
             self.schedule.start_step()
             self.active.clear()
+            if self.reads is not None:
+                self.reads.adopt(module)  # modules attached after initialize()
+        if not needs:  # a module that only marks the forward stack (stage3_reads.py)
+            return
         for index in needs:
             self.active[index] = self.active.get(index, 0) + 1
         if not in_backward:
@@ -283,15 +288,23 @@ class Stage3(Stage2):
             self._prefetch()
 
     @_eager_hook
-    def _post_forward(self, needs: list[int], output, borrowed: list[int], inputs,
-                      is_root: bool = False) -> None:
+    def _post_forward(self, module: torch.nn.Module, output, inputs, is_root: bool) -> None:
         if self.holding_all:
             return
+        # Read before a returned parameter moves to the caller: this call counted these down.
+        needs = self.layout.needs.get(id(module), ())
+        leaves = tree_leaves(output)
+        if self.reads is not None:
+            self.reads.pop(module)
+            self.reads.returned(module, leaves)
+        borrowed = self.layout.borrowed.get(id(module), ())
         for index in needs:
             self.active[index] = max(0, self.active.get(index, 0) - 1)
         if _in_backward():
             return  # activation-checkpoint recompute: the unit's backward follows at once
-        grad_outputs = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad] \
+        if not needs and not is_root:
+            return
+        grad_outputs = [t for t in leaves if torch.is_tensor(t) and t.requires_grad] \
             if torch.is_grad_enabled() else []
         wants_backward = bool(grad_outputs)
         fired = [False]  # one regather per forward call, whichever output's gradient comes first
@@ -469,6 +482,8 @@ class Stage3(Stage2):
         super().close()
         if self.module is not None:
             generation.uninstall(self.module)
+        if self.reads is not None:
+            self.reads.close()
         for index in sorted(self.sharded):
             self.pinned.pop(index, None)
         try:

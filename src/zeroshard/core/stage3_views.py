@@ -9,7 +9,8 @@ engine's `tput_timer` is monitor/timers.py's ThroughputTimer):
   `ParameterOffloadView`. Inside that context zeroshard's hooks gather nothing (every unit is
   pinned), so "removing" them is recorded and nothing else is needed.
 * `module.ds_external_parameters()` on every module of a stage-3 model (TRL iterates it with
-  `named_parameters`): `add_external_parameters_method`.
+  `named_parameters`): `add_external_parameters_method`, which stage3_reads.py applies to each
+  module, also to those attached after `initialize()`.
 """
 
 from __future__ import annotations
@@ -35,13 +36,12 @@ class ParameterOffloadView:
     _register_hooks_recursively = _register_deepspeed_module
 
 
-def add_external_parameters_method(model: nn.Module) -> None:
-    """Give every module `ds_external_parameters()`: (name, parameter) pairs registered with
-    `register_external_parameter`, as DeepSpeed's ZeRO-3 modules have."""
-    for module in model.modules():
-        if "ds_external_parameters" not in module.__dict__:
-            module.ds_external_parameters = types.MethodType(_external, module)
+def add_external_parameters_method(module: nn.Module) -> None:
+    """Give `module` `ds_external_parameters()`: (name, parameter) pairs of its external
+    parameters (registered, or found by stage3_reads.py), as DeepSpeed's ZeRO-3 modules have."""
+    if "ds_external_parameters" not in module.__dict__:
+        module.ds_external_parameters = types.MethodType(_external, module)
 
 
 def _external(module: nn.Module):
-    return [(str(i), p) for i, p in enumerate(module.__dict__.get(EXTERNAL_ATTR, []))]
+    return [(str(i), p) for i, p in enumerate(module.__dict__.get(EXTERNAL_ATTR, {}).values())]

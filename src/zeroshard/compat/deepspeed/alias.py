@@ -57,6 +57,7 @@ ALIASES = {
     "deepspeed.runtime.zero.mics": "zeroshard.compat.deepspeed.zero",
     "deepspeed.runtime.zero.config": "zeroshard.compat.deepspeed.zero_config",
     "deepspeed.runtime.zero.offload_config": "zeroshard.compat.deepspeed.zero_config",
+    "deepspeed.runtime.zero.leaf_module_config": "zeroshard.config.leaf_module",
     "deepspeed.runtime.lr_schedules": "zeroshard.schedulers",
     "deepspeed.runtime.engine": "zeroshard.engine",
     "deepspeed.checkpointing": "zeroshard.activations.checkpointing",
@@ -69,6 +70,8 @@ ALIASES = {
 RENAMED = {
     "deepspeed": {"DeepSpeedEngine": ("zeroshard.engine", "Engine")},
     "deepspeed.runtime.engine": {"DeepSpeedEngine": ("zeroshard.engine", "Engine")},
+    "deepspeed.runtime.zero.leaf_module_config": {
+        "DeepSpeedZeroLeafModuleConfig": ("zeroshard.config.leaf_module", "LeafModuleConfig")},
 }
 #: What the most used unsupported areas are, for the error message.
 AREAS = {"moe": "mixture of experts", "pipe": "pipeline parallelism",
@@ -132,18 +135,35 @@ class DeepSpeedModule(types.ModuleType):
         renamed = RENAMED.get(self.__name__, {}).get(name)
         if renamed is not None:
             return getattr(importlib.import_module(renamed[0]), renamed[1])
+        target = self.__dict__["_zs_target"]
+        if _reexported(target, name) is not None:
+            return getattr(target, name)
         if full in ALIASES or any(alias.startswith(full + ".") for alias in ALIASES):
             return importlib.import_module(full)  # e.g. deepspeed.runtime, on the way to .zero
-        target = self.__dict__["_zs_target"]
         if target is not None and hasattr(target, name):
             return getattr(target, name)
         if name.startswith("_"):
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
         return missing(full)
 
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the submodule deepspeed.utils.z3_leaf_module sets it as an attribute of its
+        # parent; DeepSpeed's package re-exports a function under that name, which stays.
+        if isinstance(value, types.ModuleType) and \
+                _reexported(self.__dict__.get("_zs_target"), name) is not None:
+            return
+        super().__setattr__(name, value)
+
     def __dir__(self):
         target = self.__dict__["_zs_target"]
         return sorted(set(super().__dir__()) | set(dir(target) if target is not None else ()))
+
+
+def _reexported(target: types.ModuleType | None, name: str):
+    """`target`'s attribute `name` when it is not a module (a function DeepSpeed's package
+    re-exports under its submodule's name, as `deepspeed.utils.z3_leaf_module`), else None."""
+    value = getattr(target, name, None) if target is not None else None
+    return None if value is None or isinstance(value, types.ModuleType) else value
 
 
 class _Loader(importlib.abc.Loader):

@@ -144,6 +144,8 @@ class _View(BaseModel):
                 continue
             if isinstance(value, _View):
                 value = value._to_zeroshard()
+            elif isinstance(value, BaseModel):  # a section kept as zeroshard's model (leaf_module)
+                value = value.model_dump()
             elif isinstance(value, Path):
                 value = str(value)
             out[{ds: ours for ours, ds in _RENAMED.items()}.get(name, name)] = value

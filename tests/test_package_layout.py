@@ -43,13 +43,13 @@ CORE_LAYERS = {
     "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync"},
     # The one layout: units, flat buffers, shards; stage 3's unit plan (also Init's) and the
     # units taking their memory at initialize() (materialize).
-    "layout": {"layout", "partition", "init_units", "materialize"},
+    "layout": {"layout", "leaf", "partition", "init_units", "materialize"},
     # Gather and reduce strategies (ZeRO++ qwZ / hpZ / qgZ, MiCS), composed into a stage.
     "strategies": {"strategies", "mics", "zeropp", "zeropp.collectives", "zeropp.hpz",
                    "zeropp.qgz", "zeropp.qwz", "zeropp.quantize"},
     # The stage policies over the layout, and what only they use.
     "stages": {"spec", "reduction", "policy", "stage0", "stage1", "stage2", "stage3", "schedule",
-               "generation", "guards", "shard_store", "stage3_views"},
+               "generation", "guards", "shard_store", "stage3_views", "stage3_reads"},
     # Building a model partitioned (Init) and gathering it back (GatheredParameters).
     "construct": {"init", "gathered", "sanity"},
     # The sharded optimizer over a stage: its step, state dict, loss scaler, Muon, Lion.

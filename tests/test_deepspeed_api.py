@@ -369,3 +369,21 @@ def test_enable_sanity_checks_is_accepted():
         assert load_config({"gradient_allreduce_op": op}).gradient_allreduce_op == op.lower()
     with pytest.raises(ValueError, match="gradient_allreduce_op"):
         load_config({"gradient_allreduce_op": "max"})
+
+
+def test_op_builder_names_say_which_ops_are_answered():
+    """`deepspeed.ops.__compatible_ops__[Builder.NAME]` (DeepSpeed's tests and scripts ask it
+    before using an op): True for the optimizers and NVMe I/O zeroshard answers, False for the
+    rest and for a name nobody knows; `load()` refuses naming the replacement."""
+    from zeroshard.compat.deepspeed import alias, ops
+    from zeroshard.compat.deepspeed.ops import op_builder as ob
+
+    assert alias.ALIASES["deepspeed.ops.op_builder"] == ob.__name__
+    compatible = ops.__compatible_ops__
+    for builder in (ob.CPUAdamBuilder, ob.FusedAdamBuilder, ob.CPUAdagradBuilder,
+                    ob.CPULionBuilder, ob.FusedLionBuilder, ob.AsyncIOBuilder):
+        assert compatible[builder.NAME] and builder().is_compatible(), builder.__name__
+    assert not compatible[ob.FusedLambBuilder.NAME] and not ob.FusedLambBuilder().is_compatible()
+    assert compatible["no_such_op"] is False
+    with pytest.raises(NotImplementedError, match="DeepSpeedCPUAdam"):
+        ob.CPUAdamBuilder().load()

@@ -44,6 +44,7 @@ ALIASES = {
     "deepspeed.zero": "zeroshard.compat.deepspeed.zero",
     "deepspeed.ops": "zeroshard.compat.deepspeed.ops",
     "deepspeed.ops.adam": "zeroshard.compat.deepspeed.ops.adam",
+    "deepspeed.ops.op_builder": "zeroshard.compat.deepspeed.ops.op_builder",
     "deepspeed.utils": "zeroshard.compat.deepspeed.utils",
     "deepspeed.utils.zero_to_fp32": "zeroshard.compat.deepspeed.utils.zero_to_fp32",
     "deepspeed.utils.z3_leaf_module": "zeroshard.compat.deepspeed.utils.z3_leaf",

@@ -387,3 +387,21 @@ def test_op_builder_names_say_which_ops_are_answered():
     assert compatible["no_such_op"] is False
     with pytest.raises(NotImplementedError, match="DeepSpeedCPUAdam"):
         ob.CPUAdamBuilder().load()
+
+
+def test_ignore_unused_parameters_false_says_it_has_no_effect():
+    """DeepSpeed stops on unused parameters under `ignore_unused_parameters: false`; zeroshard
+    treats them as zero gradients, so that setting warns once, and the default stays quiet."""
+    from zeroshard.config.schema import ConfigWarning, load_config
+
+    def notices(value):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_config({"zero_optimization": {"stage": 2,
+                                                     "ignore_unused_parameters": value}})
+        assert cfg.zero_optimization.ignore_unused_parameters is value
+        return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)
+                and "ignore_unused_parameters" in str(w.message)]
+
+    assert notices(True) == []
+    assert len(notices(False)) == 1 and "has no effect" in notices(False)[0]

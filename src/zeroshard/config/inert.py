@@ -89,6 +89,9 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "enable_sanity_checks", lambda v, c: v and c.zero_optimization.stage < 3,
      "{full}=true has no effect below ZeRO stage 3 (it makes GatheredParameters refuse in-place "
      "writes to partitioned parameters under modifier_rank=None); ignored at stage {stage}"),
+    ("zero_optimization", "ignore_unused_parameters", lambda v, c: not v,
+     "{full}=false has no effect: zeroshard never stops on parameters that got no gradient in "
+     "a backward (they count as zero gradients at every stage); ignored"),
     ("", "zero_allow_untested_optimizer", lambda v, c: v,
      "{full} has no effect in zeroshard (any elementwise torch.optim optimizer is sharded); "
      "ignored"),

@@ -55,6 +55,7 @@ def record() -> dict:
         "zero_optimization": zero,
         "zero_optimization.offload_optimizer": _dump(DeepSpeedZeroOffloadOptimizerConfig()),
         "zero_optimization.offload_param": _dump(DeepSpeedZeroOffloadParamConfig()),
+        "zero_optimization.leaf_module": zero["leaf_module"],  # DeepSpeed 0.18+
         "aio": dict(cfg.aio_config),
         "tensorboard": _dump(monitor.tensorboard),
         "csv_monitor": _dump(monitor.csv_monitor),

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..dist import Comm, default_device
-from .hostmem import host_region, to_device
+from .hostmem import host_empty, host_region, is_host, to_device
 from .stage3_views import ParameterOffloadView
 from .hostsync import HostSyncs
 from .layout import Unit
@@ -288,16 +288,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         carries after the sum (`step_check.py`; None when there is no all-reduce)."""
         if not self.policy.shards_optimizer:
             return local.reshape(()), None
-        local = to_device(local, self.device)  # NCCL takes device tensors only
         extra = step_check.tail_numel(self.comm.world_size)
-        if not extra:
-            self.comm.all_reduce(local)
-            return local.reshape(()), None
-        both = torch.empty(1 + extra, dtype=torch.float64, device=local.device)
-        both[:1].copy_(local.reshape(1))
-        step_check.write_counts(both[1:], self.comm.rank)
-        self.comm.all_reduce(both, checked=extra)
-        return both[0], both[1:]
+        if extra:  # the counts join the sum where it is (host memory under offload)
+            both = host_empty(1 + extra, torch.float64) if is_host(local) else \
+                torch.empty(1 + extra, dtype=torch.float64, device=local.device)
+            both[:1].copy_(local.reshape(1))
+            step_check.write_counts(both[1:], self.comm.rank)
+            local = both
+        local = to_device(local, self.device)  # NCCL takes device tensors only
+        self.comm.all_reduce(local, checked=extra)
+        return local[0], (local[1:] if extra else None)
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -80,7 +80,9 @@ def main() -> None:
     wall: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(args.steps + 2):  # two warm-up steps, one per mode
-        mode = modes[i % 2]
+        # A B B A A B ...: each mode runs as often first as second in its pair of steps, so a
+        # step that is slower for coming after the other (caches, the peer's timing) is shared.
+        mode = modes[(i + i // 2) % 2]
         switch(mode)
         dist.barrier()
         c0, t0 = time.process_time(), time.perf_counter()

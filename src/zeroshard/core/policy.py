@@ -110,12 +110,17 @@ class StagePolicy:
         self.flat_grads = []
         for unit in self.units if self.keeps_gradients else []:
             flat = self._new_grad_buffer(unit)
-            for slot, view in unit.views(flat):
+            for i, (slot, view) in enumerate(unit.views(flat)):
                 # autograd accumulates in place into an existing .grad, so this is zero-copy.
                 slot.param.grad = view
                 self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    _reattach_hook(view)))
+                    self._grad_hook(unit, i, view)))
             self.flat_grads.append(flat)
+
+    def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
+        """The post-accumulate-grad hook of `unit`'s parameter number `slot` (stage 0 adds its
+        own work to it: one Python call per parameter and backward, not several)."""
+        return _reattach_hook(view)
 
     def _new_grad_buffer(self, unit: Unit) -> torch.Tensor:
         """A zeroed full gradient buffer for `unit` (stage 0 leaves room after it)."""

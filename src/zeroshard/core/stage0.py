@@ -66,22 +66,33 @@ class Stage0(StagePolicy):
         # until autograd's first gradient is copied in): unit index -> slot indices.
         self.stale: dict[int, set[int]] = {}
         self._clear_backward()
-        for unit in self.units if self.keeps_gradients else []:
-            for i, slot in enumerate(unit.slots):  # after `_reattach_hook`, as below
-                self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    partial(self._fresh, unit.index, i)))
         if not (self.keeps_gradients and self.comm.world_size > 1):
             return
         for unit in self.units:
             for slot in unit.slots:
                 self.hooks.append(slot.param.register_hook(partial(self._before_grad, unit)))
-        if not (self.overlap and self.module is not None):
-            return
-        self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
-        for unit in self.units:
-            for slot in unit.slots:  # after `_reattach_hook`: the gradient is in the buffer
-                self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    partial(self._on_grad_ready, unit)))
+        if self._overlapping():
+            self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
+
+    def _overlapping(self) -> bool:
+        """Whether backward launches the all-reduces (else the boundary does)."""
+        return self.overlap and self.module is not None and self.comm.world_size > 1
+
+    def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
+        """After autograd accumulated a gradient: into the view (`_reattach_hook`), no longer
+        stale, and the unit launched once complete (overlap)."""
+        reattach = super()._grad_hook(unit, slot, view)
+        overlapping = self._overlapping()
+
+        def hook(param) -> None:
+            reattach(param)
+            stale = self.stale.get(unit.index)
+            if stale:
+                stale.discard(slot)
+            if overlapping:
+                self._on_grad_ready(unit, param)
+
+        return hook
 
     def expect_boundary(self, boundary: bool) -> None:
         """Whether the next backward ends an accumulation window (only then it communicates)."""
@@ -103,12 +114,6 @@ class Stage0(StagePolicy):
         else:
             self.earlier[index] = flat.clone()
         flat.zero_()
-
-    def _fresh(self, index: int, slot: int, _param) -> None:
-        """A gradient is in the slot's view: it no longer holds a stale value."""
-        stale = self.stale.get(index)
-        if stale:
-            stale.discard(slot)
 
     def _clear_stale(self, unit: Unit) -> None:
         """Zero (and re-attach) the views of parameters that got no gradient since zero_grad."""

@@ -101,7 +101,9 @@ def main() -> None:
     cpu: dict[str, list[float]] = {name: [] for name in impls}  # all threads of the process
     profiler = cProfile.Profile() if args.profile and rank == 0 else None
     for i in range(args.steps + 2):  # two warm-up rounds
-        for name, (model, opt) in impls.items():
+        # Every other round in reverse order, so that no implementation always runs first.
+        order = list(impls.items()) if i % 2 == 0 else list(impls.items())[::-1]
+        for name, (model, opt) in order:
             dist.barrier()
             profiling = profiler is not None and name != "ddp" and i >= 2
             if profiling:

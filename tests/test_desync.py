@@ -5,8 +5,10 @@ One world of 2 ranks runs every case (after each desync the ranks start a fresh 
 over the same rendezvous store, since the old one is left unusable on purpose). A second world,
 started alongside, has a rank that really exits before its peer's next collective. Cases: rank 0 catches an exception and calls
 save_checkpoint while rank 1 is in backward (stages 2 and 3); rank 1 skips a block in one forward;
-rank 1 steps without its micro-step; rank 1 is busy outside any collective; and the number of
-torch.distributed collectives per micro-step with the watchdog on and off.
+rank 1 steps without its micro-step; rank 1 is busy outside any collective; rank 1 skips a step or
+a backward, caught by the step counts that ride in the next collective (stage 0's gradient
+all-reduce, the norm's all-reduce above) or, after the last one, by destroy_process_group(); and
+the number of torch.distributed collectives per micro-step with the watchdog on and off.
 """
 
 from __future__ import annotations
@@ -109,23 +111,38 @@ def _diverge(rank, world, kind):
     return _outcome(run)
 
 
-def _skip_step(rank, world, stage):
-    """Rank 1 skips engine.step() once (it runs one more backward than its step count says)."""
-    from zeroshard.dist.process_group import steps_agree
-
+def _skip_step(rank, world, stage, at=1, what="step", native=False):
+    """Rank 1 skips engine.step() (or, `what="backward"`, its forward and backward) once, at
+    iteration `at` of 4; `native`: the optimizer's collectives run as on NCCL (torch's own
+    reduce-scatter, no point-to-point tags that would keep mismatched steps apart). Records the
+    iteration the DesyncError came in, and, when none came, what destroy_process_group() says."""
     engine, _ = _engine(stage)
+    if native:
+        for comm in {id(c): c for c in (engine.comm, engine.optimizer.comm,
+                                         engine.optimizer.policy.comm)}.values():
+            comm.composed = False
     batches = make_batches(4, 2 * world)
+    reached = {"step": None}
 
     def run():
         for step, batch in enumerate(batches):
+            reached["step"] = step
             tokens, targets = micro_slice(batch, 0, rank, world, 2)
-            engine.backward(lm_loss(engine(tokens), targets))
-            if not (step == 1 and rank == 1):
+            skip = step == at and rank == 1
+            if not (skip and what == "backward"):
+                engine.backward(lm_loss(engine(tokens), targets))
+            if not (skip and what == "step"):
                 engine.step()
 
     out = _outcome(run)
-    if out["error"] is None:  # stage 0: no collective tells; the exit check does
-        out["at_exit"] = steps_agree(timeout_s=30)
+    out["at_step"] = reached["step"]
+    if out["error"] is None:  # no collective after the skip: the group's destroy tells
+        try:
+            dist.destroy_process_group()
+            out["at_destroy"] = None
+        except zeroshard.DesyncError as err:
+            out["at_destroy"] = str(err)
+        out["destroyed"] = not dist.is_initialized()
     return out
 
 
@@ -164,15 +181,20 @@ def _count_collectives(rank, world, stage, timeout):
     return {"micro": micro, "step": step, "watched": engine.comm.watch is not None}
 
 
+_STORE = {}
+
+
 def _fresh_group(rank, world, name):
     """A new default group over the same store (the old one is left unusable after a desync)."""
     from zeroshard.dist.process_group import PHASE_COUNTS
 
-    store = dist.distributed_c10d._get_default_store()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # (a case may have destroyed it already)
+        _STORE.setdefault("root", dist.distributed_c10d._get_default_store())
+        # torch's own destroy: zeroshard's wrapper would compare the counts this case made differ
+        dist.destroy_process_group.__wrapped__()
     PHASE_COUNTS.clear()  # the ranks' step counts start over with the new group, as in a new job
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            store=dist.PrefixStore(name, store),
+                            store=dist.PrefixStore(name, _STORE["root"]),
                             timeout=datetime.timedelta(seconds=120))
 
 
@@ -188,6 +210,12 @@ def _all(rank, world, save_dir):
     for stage in (0, 1, 2, 3):
         out[f"skip_step{stage}"] = _skip_step(rank, world, stage)
         _fresh_group(rank, world, f"skip_step{stage}")
+    cases = {"skip_backward0": dict(stage=0, what="backward"),
+             "skip_step1_native": dict(stage=1, native=True),
+             "skip_last_step0": dict(stage=0, at=3)}
+    for name, case in cases.items():
+        out[name] = _skip_step(rank, world, **case)
+        _fresh_group(rank, world, name)
     for kind in ("skip_block", "step_only", "busy"):
         out[kind] = _diverge(rank, world, kind)
         _fresh_group(rank, world, kind)
@@ -317,13 +345,41 @@ def test_a_skipped_step_is_a_desync_naming_the_steps(results, stage):
         assert got[f"skip_step{stage}"]["seconds"] < 2 * TIMEOUT + 10
 
 
-def test_a_skipped_step_at_stage_0_fails_the_exit_check(results):
+@pytest.mark.parametrize("case,counts", [
+    # The counts ride in the last gradient all-reduce (stage 0) or in the norm's all-reduce
+    # (stage 1 on NCCL, simulated: no tags): the step after the skip raises on both ranks.
+    ("skip_step0", ("rank 0: 2 optimizer steps after 3 backward passes",
+                    "rank 1: 1 optimizer steps after 3 backward passes")),
+    ("skip_backward0", ("rank 0: 1 optimizer steps after 2 backward passes",
+                        "rank 1: 2 optimizer steps after 1 backward passes")),
+    ("skip_step1_native", ("rank 0: 2 optimizer steps after 2 backward passes",
+                           "rank 1: 2 optimizer steps after 3 backward passes"))])
+def test_a_skipped_step_is_caught_by_the_counts_in_the_next_collective(results, case, counts):
+    for rank, got in enumerate(results[0]):
+        message = got[case]["error"]
+        assert message is not None, f"rank {rank} trained on after a skipped step ({case})"
+        assert "ranks are desynchronised" in message and "this step was not applied" in message
+        assert all(text in message for text in counts), message
+        # Rank 1 skipped at iteration 1: both ranks fail in iteration 1 or 2 (within one step),
+        # at once, with no timeout involved.
+        assert got[case]["at_step"] in (1, 2), (case, got[case]["at_step"])
+        assert got[case]["seconds"] < TIMEOUT, got[case]["seconds"]
+
+
+def test_a_last_step_skipped_fails_at_destroy_process_group(results):
+    """Stage 0, rank 1 skips the last step: no collective follows (a stage-0 step has none; at
+    stage 1 its peer's step would wait for it, and the watchdog tells), so the script's own
+    destroy_process_group() compares the counts, destroys the group and raises DesyncError on
+    every rank."""
     for got in results[0]:
-        assert got["skip_step0"]["error"] is None  # the all-reduces still pair: no desync
-        message = got["skip_step0"]["at_exit"]
-        assert message is not None, "the ranks' differing step counts passed the exit check"
+        out = got["skip_last_step0"]
+        assert out["error"] is None and out["at_step"] == 3
+        message = out["at_destroy"]
+        assert message is not None, "the ranks' differing step counts passed destroy"
+        assert message.startswith("at destroy_process_group(): ")
         assert "rank 0: 4 optimizer steps after 4 backward passes" in message, message
         assert "rank 1: 3 optimizer steps after 4 backward passes" in message, message
+        assert out["destroyed"]
 
 
 def test_a_busy_peer_is_named_not_responding(results):

@@ -143,3 +143,58 @@ def test_the_preemption_example_saves_at_one_step_exits_0_and_resumes(tmp_path):
                            timeout=120, env=env)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed at step {saved}" in again.stdout, again.stdout
+
+
+# One rank skips engine.step() once; the script ends as many do, with destroy_process_group().
+SKIPPER = textwrap.dedent("""
+    import hashlib, sys
+    import torch, torch.distributed as dist
+    import zeroshard
+
+    stage, skip_at = int(sys.argv[1]), int(sys.argv[2])
+    zeroshard.init_distributed()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage, "zeroshard_desync_timeout": 5}}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    data = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(rank))
+    for step in range(4):
+        engine.backward(engine(data[step]).square().mean())
+        if not (rank == 1 and step == skip_at):
+            engine.step()
+        print(f"rank {rank} finished step {step}", flush=True)
+    weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    print(f"rank {rank} digest {hashlib.sha256(weights).hexdigest()[:12]}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("stage,skip_at", [(0, 1), (1, 1), (0, 3)])
+def test_a_skipped_step_fails_the_job_even_when_the_script_destroys_the_group(tmp_path, stage,
+                                                                              skip_at):
+    """Two ranks under `zeroshard run`, rank 1 skips engine.step() at iteration `skip_at`, the
+    script ends with dist.destroy_process_group(): the job fails with DesyncError. Mid-run the
+    step after the skip raises (stage 0: the counts in the gradient all-reduce; stage 1 on gloo:
+    the reduce-scatter's tags, the watchdog); after the last step, destroy_process_group()."""
+    script = tmp_path / "skipper.py"
+    script.write_text(SKIPPER)
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"),
+               ZEROSHARD_QUIET="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--nproc-per-node", "2",
+                          str(script), str(stage), str(skip_at)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert "DesyncError" in out, out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} finished step 0" in out, out[-3000:]
+    if skip_at == 3:  # the replicas differ, as the digests show, and destroy says so
+        digests = {line.split()[-1] for line in out.splitlines() if " digest " in line}
+        assert len(digests) == 2, out[-3000:]
+        assert "at destroy_process_group()" in out, out[-3000:]
+        assert "rank 1: 3 optimizer steps after 4 backward passes" in out, out[-3000:]
+    else:  # within one step of the skip, on both ranks
+        assert "finished step 2" not in out and " digest " not in out, out[-3000:]

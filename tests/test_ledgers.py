@@ -48,14 +48,18 @@ def _measure(rank, world):
             config=config)
         x = torch.randn(4, 64)
         for step in range(3):
-            before = engine.comm_report()["total"]
+            before = engine.comm_report()
             engine.backward(engine(x).float().pow(2).mean())
             engine.step()
-            comm = engine.comm_report()["total"] - before
+            after = engine.comm_report()
+            # The ranks' step counts ride along in one all-reduce per step (core/step_check.py):
+            # counted apart as "step_check", they are not gradient or parameter bytes.
+            check = after["step_check"] - before["step_check"]
+            comm = after["total"] - before["total"] - check
         report = engine.memory_report()
         policy = engine.optimizer.policy
         out[(precision, stage)] = {
-            "psi": psi, "comm": comm, "units": len(engine.optimizer.units),
+            "psi": psi, "comm": comm, "check": check, "units": len(engine.optimizer.units),
             "peak_live": getattr(policy, "peak_live_numel", None),
             "largest": max(u.padded_numel for u in engine.optimizer.units),
             **{kind: sum(report[kind].values()) for kind in ("params", "grads", "optimizer")}}
@@ -131,6 +135,10 @@ def test_comm_per_step_is_two_or_three_psi(ledgers, precision, elem, stage):
     # Allowance: padding of each unit, and the scalar norm all-reduce (8 bytes, ring x2).
     slack = n * PAD * got["units"] * per_elem + 2 * 8
     assert expected - 1 <= got["comm"] <= expected + slack, (got["comm"], expected)
+    # The step counts: two elements per rank in one all-reduce a step, in the gradients'
+    # communication dtype (fp32) at stage 0, in the norm's float64 above.
+    check_elem = 4 if stage == 0 else 8
+    assert got["check"] == round(2 * 2 * n * check_elem * (n - 1) / n), got["check"]
 
 
 def test_stage3_live_parameters_stay_within_the_bound(ledgers):
@@ -164,7 +172,8 @@ def test_comm_splits_into_intra_and_inter_host(ledgers):
     several hosts (comm.py's ring model: H of the N hops), none on one host, all at P = 1."""
     n, result = ledgers
     for per_host, report in result["hosts"].items():
-        kinds = sum(report[k] for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
+        kinds = sum(report[k] for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                        "step_check"))
         assert report["intra_host"] + report["inter_host"] == report["total"] == kinds > 0
         share = 0.0 if per_host == n else 1 / per_host
         # Rounding: at most half a byte per collective; a step has fewer than 100 here.

@@ -50,7 +50,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from ..dist.process_group import step_counts
+from ..dist.process_group import DesyncError, step_counts
 
 #: Longest wait for the peers' entries once a rank is stuck.
 PEER_WAIT_S = 30.0
@@ -62,10 +62,6 @@ DEAD_PEER_GRACE_S = 3.0
 #: Errors of a collective that say a peer's connection closed: its process is gone.
 _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
                     "connection refused", "end of file")
-
-
-class DesyncError(RuntimeError):
-    """Ranks disagreed about the next collective (a hang, or a failure, caught by the watchdog)."""
 
 
 def watch_collectives(comm, timeout_s: float) -> "Watchdog | None":

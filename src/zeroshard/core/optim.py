@@ -32,13 +32,15 @@ import torch
 from torch import nn
 
 from ..dist import Comm, default_device
-from .hostmem import host_region, to_device
+from .hostmem import host_empty, host_region, is_host, to_device
 from .stage3_views import ParameterOffloadView
 from .hostsync import HostSyncs
 from .layout import Unit
 from .owners import forget, register
 from .policy import StagePolicy
 from .scaler import LossScaler
+from . import step_check
+from ..dist.process_group import DesyncError
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -195,15 +197,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Newton-Schulz drops the loss scale; the update gets it back, so the norm, the
             # overflow check and the unscaling treat it as they treat a gradient.
             grads = self.muon.orthogonalize(grads, scale)
-        total = self._global_sq_norm(self.placement.sq_norm(grads))
+        total, counts = self._global_sq_norm(self.placement.sq_norm(grads))
+        if counts is None:  # stage 0: the counts came with the gradients' last all-reduce
+            counts = self.policy.received_counts()
         self.steps += 1
         norm = total.sqrt() / scale
         found_inf = (~torch.isfinite(total)).to(torch.float32)
         factor = self._factor(norm, scale)
         masked = self.placement.can_mask()
+        if counts is not None:
+            # Ranks at different steps (step_check.py): the fused kernels skip this step as they
+            # would an overflow, and the host, reading flag and counts at once, raises.
+            found_inf = torch.maximum(found_inf, step_check.disagree(counts, self.comm.rank))
+            flag = torch.cat([found_inf.double().reshape(1), counts.double()])
+        else:
+            flag = found_inf
         # Queued now, read once the step is queued too: the host then waits only for the norm.
-        flag = self.syncs.start_read(found_inf)
-        if not masked and self.syncs.finish_read(flag, "non-finite check (non-fused optimizer)"):
+        flag = self.syncs.start_read(flag)
+        if not masked and self._read_flag(flag, "non-finite check (non-fused optimizer)"):
             return self._skip()
         try:
             had_state = self.placement.step(factor, found_inf if masked else None,
@@ -215,7 +226,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise type(err)(err.errno, f"rank {self.comm.rank}, optimizer step {self.steps}: {err}. "
                             "The step was only partly applied; load the last checkpoint "
                             "(engine.load_checkpoint) to continue") from err
-        if masked and self.syncs.finish_read(flag, "non-finite check (after the step is queued)"):
+        if masked and self._read_flag(flag, "non-finite check (after the step is queued)",
+                                      lambda: self.placement.forget_new_state(had_state)):
             self.placement.forget_new_state(had_state)  # a skipped first step leaves no state
             return self._skip()
         if self.muon is not None:
@@ -224,6 +236,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.scaler.update(overflow=False, step=self.steps)
         self.step_applied = True
         return True
+
+    def _read_flag(self, pending, why: str, undo=None) -> bool:
+        """Whether the step's gradient norm is inf/nan (the one host read of the step); when the
+        ranks' step counts came with it and disagree, `undo()` and raise DesyncError."""
+        values = self.syncs.finish_read(pending, why)
+        if not isinstance(values, list):
+            return bool(values)
+        try:
+            step_check.check(values[1:])
+        except DesyncError:
+            self.placement.drop_grads()
+            if undo is not None:
+                undo()
+            raise
+        return bool(values[0])
 
     def _skip(self) -> bool:
         """An inf/nan gradient: nothing was applied. fp16 skips the step; otherwise raise."""
@@ -254,14 +281,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         clip = self.clip_norm
         return torch.where(norm > clip, clip / (norm + 1e-6), 1.0) * (1.0 / scale)
 
-    def _global_sq_norm(self, local: torch.Tensor) -> torch.Tensor:
+    def _global_sq_norm(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum of squares of the (still scaled) gradient over all shards of all ranks, a 0-dim
         float64 tensor on the compute device, from this rank's sum (float64, shape [1], in host
-        memory under optimizer offload)."""
-        if self.policy.shards_optimizer:
-            local = to_device(local, self.device)  # NCCL takes device tensors only
-            self.comm.all_reduce(local)
-        return local.reshape(())
+        memory under optimizer offload); and every rank's step counts, which the all-reduce
+        carries after the sum (`step_check.py`; None when there is no all-reduce)."""
+        if not self.policy.shards_optimizer:
+            return local.reshape(()), None
+        extra = step_check.tail_numel(self.comm.world_size)
+        if extra:  # the counts join the sum where it is (host memory under offload)
+            both = host_empty(1 + extra, torch.float64) if is_host(local) else \
+                torch.empty(1 + extra, dtype=torch.float64, device=local.device)
+            both[:1].copy_(local.reshape(1))
+            step_check.write_counts(both[1:], self.comm.rank)
+            local = both
+        local = to_device(local, self.device)  # NCCL takes device tensors only
+        self.comm.all_reduce(local, checked=extra)
+        return local[0], (local[1:] if extra else None)
 
     @property
     def last_grad_norm(self) -> float | None:

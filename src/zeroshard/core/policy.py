@@ -112,13 +112,22 @@ class StagePolicy:
         """Allocate gradient storage and register hooks (the last step of construction)."""
         self.flat_grads = []
         for unit in self.units if self.keeps_gradients else []:
-            flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.compute_device)
-            for slot, view in unit.views(flat):
+            flat = self._new_grad_buffer(unit)
+            for i, (slot, view) in enumerate(unit.views(flat)):
                 # autograd accumulates in place into an existing .grad, so this is zero-copy.
                 slot.param.grad = view
                 self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    _reattach_hook(view)))
+                    self._grad_hook(unit, i, view)))
             self.flat_grads.append(flat)
+
+    def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
+        """The post-accumulate-grad hook of `unit`'s parameter number `slot` (stage 0 adds its
+        own work to it: one Python call per parameter and backward, not several)."""
+        return _reattach_hook(view)
+
+    def _new_grad_buffer(self, unit: Unit) -> torch.Tensor:
+        """A zeroed full gradient buffer for `unit` (stage 0 leaves room after it)."""
+        return torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.compute_device)
 
     def expect_boundary(self, boundary: bool) -> None:
         """Told before each engine backward whether it ends an accumulation window (stage 0
@@ -176,6 +185,11 @@ class StagePolicy:
     def reduce_gradients(self) -> None:
         """Average gradients across ranks at the accumulation boundary."""
         raise NotImplementedError
+
+    def received_counts(self) -> torch.Tensor | None:
+        """Every rank's step counts, if this step's gradient reduction carried them (stage 0;
+        `step_check.py`); None: the norm's all-reduce carries them."""
+        return None
 
     def grad_shard(self, unit: Unit) -> torch.Tensor:
         """This rank's averaged gradient for the slice it steps (compute dtype)."""

@@ -5,34 +5,39 @@ Communication plan, per optimizer step:
      gradient buffer (micro-steps accumulate there too). In the backward of the accumulation
      boundary (`expect_boundary`, told by the engine; every backward when nobody says), as DDP
      does with its buckets: as soon as a unit's gradients are all in (post-accumulate-grad
-     hooks), and every unit before it in the layout's gradient-ready order has been launched, a
-     copy of its buffer in the communication dtype (`reduction.py`: fp32 for fp16/bf16 gradients
-     by default) is all-reduced asynchronously while backward goes on. The copy keeps the
-     collective apart from autograd, which may still write the buffer (a parameter whose
-     gradient comes again, e.g. in a reentrant checkpoint, marks its unit to be reduced again
-     at the boundary). At most MAX_IN_FLIGHT copies are out at once (policy.py, as at stages
-     1-2): launching one more lands the oldest, whose average goes back into its gradient buffer
-     and whose copy is freed, so the copies hold a unit or two of gradients, not a second
-     model's worth (DDP's buckets are one).
+     hooks), and every unit before it in the layout's gradient-ready order has been launched, it
+     is all-reduced asynchronously while backward goes on. When the gradients are already in the
+     communication dtype (fp32, `reduction.py`) the all-reduce runs in place on the gradient
+     buffer itself, as DDP's `gradient_as_bucket_view` does: no copy in, no copy back, no
+     second buffer, so nothing bounds how many are in flight. Otherwise (fp16/bf16 gradients
+     summed in fp32) a copy in the communication dtype is reduced, at most MAX_IN_FLIGHT of
+     them at once (policy.py), each kept beside its buffer once averaged.
+     A gradient that arrives for a unit already reduced (a parameter used again by a reentrant
+     checkpoint, or another backward before the step) first lands that unit's all-reduce (a
+     pre-accumulation hook, so autograd never writes a buffer a collective is reading), sets the
+     average reduced so far aside and restarts the buffer from zero; the boundary reduces the
+     new gradients and adds the two, so every reduction mode stays exact.
      End of backward (an autograd callback): units never completed (unused parameters) are
      launched in order, and every all-reduce is waited for and divided by N.
-  2. accumulation boundary: units whose buffer changed since their all-reduce was launched (or
-     that no backward reduced: overlap off, world of one) are all-reduced now, in layout order.
+  2. accumulation boundary: units written since their all-reduce was launched (or that no
+     backward reduced: overlap off, world of one) are all-reduced now, in layout order.
      Ring cost either way: 2 x Psi x (N-1)/N elements of the communication dtype per rank.
+     The last all-reduce of each round (the last unit's, whose buffer has room for it) also
+     carries every rank's step counts (`step_check.py`): a rank that skipped a step or a backward
+     is caught at the step that follows, not at exit.
   3. step: every rank steps the whole of every unit (optimizer state is fully replicated); the
      parameters are views into the flat buffers, so they are current with no further collective.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from functools import partial
 
 import torch
 
-from ..dist import wait_all
 from .layout import Unit
 from .policy import MAX_IN_FLIGHT, StagePolicy
+from .step_check import tail_numel, write_counts
 
 
 class Stage0(StagePolicy):
@@ -41,30 +46,83 @@ class Stage0(StagePolicy):
     stage = 0
     shards_optimizer = False
 
+    def _new_grad_buffer(self, unit: Unit) -> torch.Tensor:
+        """The unit's gradient buffer, a view of storage with room for the step counts after it."""
+        extra = tail_numel(self.comm.world_size)
+        return torch.zeros(unit.padded_numel + extra, dtype=unit.dtype,
+                           device=unit.compute_device)[:unit.padded_numel]
+
     def _attach(self) -> None:
-        """Full gradient buffers (as the base policy), plus the hooks that overlap the all-reduce."""
+        """Full gradient buffers (as the base policy), the hooks that overlap the all-reduce."""
         super()._attach()
-        self.reduced: dict[int, torch.Tensor] = {}
+        self.reduced: dict[int, torch.Tensor] = {}  # averaged copies in a wider dtype
+        self.earlier: dict[int, torch.Tensor] = {}  # averages set aside (see the module docstring)
+        self.averaged: set[int] = set()  # buffers that hold (or are becoming) their average
         self.dirty = {u.index for u in self.units}  # buffers changed since their reduction
         self.armed = True
-        self.in_flight = deque()
+        self.in_flight: dict[int, tuple] = {}  # unit index -> (unit, send, handle)
+        self.counts: torch.Tensor | None = None  # every rank's step counts, from the last round
+        # Parameters whose gradient views hold stale values since zero_grad (`.grad` is None
+        # until autograd's first gradient is copied in): unit index -> slot indices.
+        self.stale: dict[int, set[int]] = {}
         self._clear_backward()
-        if not (self.overlap and self.module is not None and self.comm.world_size > 1
-                and self.keeps_gradients):
+        if not (self.keeps_gradients and self.comm.world_size > 1):
             return
-        self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
         for unit in self.units:
-            for slot in unit.slots:  # after `_reattach_hook`: the gradient is in the buffer
-                self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    partial(self._on_grad_ready, unit)))
+            for slot in unit.slots:
+                self.hooks.append(slot.param.register_hook(partial(self._before_grad, unit)))
+        if self._overlapping():
+            self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
+
+    def _overlapping(self) -> bool:
+        """Whether backward launches the all-reduces (else the boundary does)."""
+        return self.overlap and self.module is not None and self.comm.world_size > 1
+
+    def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
+        """After autograd accumulated a gradient: into the view (`_reattach_hook`), no longer
+        stale, and the unit launched once complete (overlap)."""
+        reattach = super()._grad_hook(unit, slot, view)
+        overlapping = self._overlapping()
+
+        def hook(param) -> None:
+            reattach(param)
+            stale = self.stale.get(unit.index)
+            if stale:
+                stale.discard(slot)
+            if overlapping:
+                self._on_grad_ready(unit, param)
+
+        return hook
 
     def expect_boundary(self, boundary: bool) -> None:
         """Whether the next backward ends an accumulation window (only then it communicates)."""
         self.armed = boundary
 
     # -- backward ------------------------------------------------------------------------------
+    def _before_grad(self, unit: Unit, _grad) -> None:
+        """Before autograd adds into `unit`'s buffer: land its all-reduce, set an average aside."""
+        index = unit.index
+        if index in self.in_flight:
+            self._land(index)
+        self.dirty.add(index)  # (also without overlap: the boundary must reduce it)
+        if index not in self.averaged:
+            return
+        self.averaged.discard(index)
+        flat = self.flat_grads[index]
+        if index in self.earlier:
+            self.earlier[index].add_(flat)
+        else:
+            self.earlier[index] = flat.clone()
+        flat.zero_()
+
+    def _clear_stale(self, unit: Unit) -> None:
+        """Zero (and re-attach) the views of parameters that got no gradient since zero_grad."""
+        for i in self.stale.pop(unit.index, ()):
+            slot = unit.slots[i]
+            view = self.flat_grads[unit.index][slot.offset:slot.offset + slot.numel]
+            slot.param.grad = view.zero_().view(slot.shape)
+
     def _on_grad_ready(self, unit: Unit, _param) -> None:
-        self.dirty.add(unit.index)
         if not self.armed:
             return
         self._queue_end_of_backward()
@@ -72,33 +130,50 @@ class Stage0(StagePolicy):
         if unit.index not in self.launched:
             self._launch(force=False)
 
-    def _launch_unit(self, unit: Unit) -> None:
+    def _launch_unit(self, unit: Unit, carries: bool | None = None) -> None:
+        """All-reduce `unit` asynchronously (in place when it can); `carries`: with the step counts
+        (default: when it is the last unit, the last one a backward launches)."""
+        if carries is None:
+            carries = unit.index == self.units[-1].index
+        self._clear_stale(unit)
+        n = self.comm.world_size
         flat = self.flat_grads[unit.index]
-        send = self.reduction.before(flat.to(self.reduction.comm_dtype(flat.dtype), copy=True),
-                                     self.comm.world_size)
+        dtype = self.reduction.comm_dtype(flat.dtype)
+        extra = tail_numel(n) if carries else 0
+        if dtype == flat.dtype:
+            # The buffer's own storage runs on past it: room for the counts.
+            send = flat.as_strided((unit.padded_numel + extra,), (1,))
+        else:
+            send = torch.empty(unit.padded_numel + extra, dtype=dtype, device=flat.device)
+            send[:unit.padded_numel].copy_(flat)
+        self.reduction.before(send[:unit.padded_numel], n)
+        if extra:
+            write_counts(send[unit.padded_numel:], self.comm.rank)
         self.dirty.discard(unit.index)
         self.launched.add(unit.index)
-        self.in_flight.append((unit, send, self.comm.all_reduce(send, async_op=True, unit=unit)))
-        while len(self.in_flight) > MAX_IN_FLIGHT:
-            self._land_oldest()
+        if send.data_ptr() == flat.data_ptr():
+            self.averaged.add(unit.index)
+        handle = self.comm.all_reduce(send, async_op=True, unit=unit, checked=extra)
+        self.in_flight[unit.index] = (unit, send, handle)
+        copies = [i for i, entry in self.in_flight.items() if entry[1].data_ptr() !=
+                  self.flat_grads[i].data_ptr()]
+        if len(copies) > MAX_IN_FLIGHT:  # copies cost memory; in-place ones cost nothing
+            self._land(copies[0])
 
-    def _land_oldest(self) -> None:
-        unit, send, handle = self.in_flight.popleft()
+    def _land(self, index: int) -> None:
+        """Wait for unit `index`'s all-reduce and turn its sum into the average."""
+        unit, send, handle = self.in_flight.pop(index)
         if handle is not None:
             handle.wait()
-        averaged = self.reduction.after(send, self.comm.world_size)
-        flat = self.flat_grads[unit.index]
-        if averaged.dtype == flat.dtype and unit.index not in self.dirty:
-            flat.copy_(averaged)  # the buffer now holds the average; the copy goes
-            self.reduced.pop(unit.index, None)
-        else:
-            # Reduced in a wider dtype (bf16/fp16 gradients), or written again since its launch
-            # (then the boundary reduces the buffer anew): keep the reduced copy beside it.
-            self.reduced[unit.index] = averaged
+        if send.numel() > unit.padded_numel:
+            self.counts = send[unit.padded_numel:].clone()
+        averaged = self.reduction.after(send[:unit.padded_numel], self.comm.world_size)
+        if averaged.data_ptr() != self.flat_grads[index].data_ptr():
+            self.reduced[index] = averaged  # a wider dtype (bf16/fp16 gradients)
 
     def _land_all(self) -> None:
-        while self.in_flight:
-            self._land_oldest()
+        for index in list(self.in_flight):
+            self._land(index)
 
     def _end_of_backward(self) -> None:
         self._launch(force=True)
@@ -115,15 +190,18 @@ class Stage0(StagePolicy):
     def reduce_gradients(self) -> None:
         """All-reduce (in the communication dtype) and average what backward has not reduced."""
         self._land_all()
-        n = self.comm.world_size
         todo = [u for u in self.units if u.index in self.dirty]
-        sends = [self.reduction.for_reduce(self.flat_grads[u.index], n) for u in todo]
-        handles = [self.comm.all_reduce(send, async_op=True, unit=u)
-                   for u, send in zip(todo, sends)]
-        wait_all(handles)
-        for unit, send in zip(todo, sends):
-            self.reduced[unit.index] = self.reduction.after(send, n)
+        for i, unit in enumerate(todo):
+            self._launch_unit(unit, carries=i == len(todo) - 1)
+        self._land_all()
         self.dirty.clear()
+        for index, earlier in self.earlier.items():  # set aside in place: the buffer's dtype
+            self.flat_grads[index].add_(earlier)
+        self.earlier.clear()
+
+    def received_counts(self) -> torch.Tensor | None:
+        """Every rank's step counts from this step's last all-reduce (`step_check.py`), or None."""
+        return self.counts
 
     def grad_shard(self, unit) -> torch.Tensor:
         """The unit's averaged gradient (in the communication dtype) once reduced."""
@@ -134,14 +212,23 @@ class Stage0(StagePolicy):
         """Nothing to gather: every rank stepped the full parameters."""
 
     def zero_grad(self) -> None:
-        """Clear the full buffers and forget the reduced copies."""
+        """Clear the gradients and forget the reduced copies and counts. The buffers are not
+        zeroed: each parameter's `.grad` is let go, so that autograd's next gradient is copied
+        into its view (`_reattach_hook`) instead of added to zeros, one pass over the gradients
+        fewer; views that get no gradient are zeroed before their unit is reduced."""
         self.reduced.clear()
+        self.earlier.clear()
+        self.averaged.clear()
+        self.counts = None
         self.dirty = {u.index for u in self.units}
-        super().zero_grad()
+        for unit in self.units if self.keeps_gradients else []:
+            self.stale[unit.index] = set(range(len(unit.slots)))
+            for slot in unit.slots:
+                slot.param.grad = None
 
     def reset(self) -> None:
         """Drop a backward cut short: wait for its all-reduces, clear everything."""
-        for _, _, handle in self.in_flight:
+        for _, _, handle in self.in_flight.values():
             if handle is not None:
                 handle.wait()
         self.in_flight.clear()
@@ -149,7 +236,8 @@ class Stage0(StagePolicy):
         self.zero_grad()
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """Full gradient buffers, plus reduced copies (between backward and step)."""
+        """Full gradient buffers, plus reduced copies and set-aside averages (between backward
+        and step)."""
         flats = {t.data_ptr() for t in self.flat_grads}
-        return super().grad_tensors() + [t for t in self.reduced.values()
-                                         if t.data_ptr() not in flats]
+        extra = [*self.reduced.values(), *self.earlier.values()]
+        return super().grad_tensors() + [t for t in extra if t.data_ptr() not in flats]

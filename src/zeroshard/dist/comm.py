@@ -265,11 +265,15 @@ class Comm:
         self.inter_host_bytes[kind] += int(round(moved * self.crossing_share))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
-                   unit=None):
-        """Sum (or `op`) `tensor` in place across ranks (`unit`: named in desync reports)."""
+                   unit=None, checked: int = 0):
+        """Sum (or `op`) `tensor` in place across ranks (`unit`: named in desync reports). Its
+        last `checked` elements are the ranks' step counts (`core/step_check.py`): counted in
+        the ledger as "step_check", apart from the payload."""
         if self.strict:
             self._refuse_host("all_reduce", tensor)
-        self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
+        self._count("all_reduce", (tensor.numel() - checked) * tensor.element_size(), 2.0)
+        if checked:
+            self._count("step_check", checked * tensor.element_size(), 2.0)
         if self.world_size == 1:
             return None
         if self._on_host(tensor):
@@ -399,7 +403,8 @@ class Comm:
 
         "intra_host" + "inter_host" = "total", by the ring model of the module docstring.
         """
-        kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+        kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+                 "step_check")
         out = {k: int(self.bytes.get(k, 0)) for k in kinds}
         out.update((k, int(v)) for k, v in self.bytes.items() if k not in out)  # any other kind
         out["total"] = sum(out.values())

@@ -1,6 +1,14 @@
 """Starting and ending the default process group: torchrun's or Slurm's environment (or a world of
 one) in, groups destroyed cleanly at interpreter exit.
 
+Ending it also compares the ranks' step counts (`steps_agree`): a rank that skipped
+`engine.step()` or `engine.backward()` late in a run, after its last collective, leaves replicas
+that differ, which no collective can tell any more. The comparison runs in the exit handler and,
+because many scripts end with `dist.destroy_process_group()` themselves (accelerate's
+`end_training()`, torchtitan), also inside that call: `leave_cleanly_at_exit` wraps torch's
+`destroy_process_group` so that destroying the default group first compares the counts and then
+raises `DesyncError` on every rank when they differ (the group is destroyed either way).
+
 `zeroshard.comm` (compat/deepspeed/comm.py) re-exports `init_distributed` and
 `leave_cleanly_at_exit`, the names users and `deepspeed.comm` scripts call.
 """
@@ -29,6 +37,13 @@ PHASE_COUNTS: collections.Counter = collections.Counter()
 COUNTED = ("backward", "optimizer step")
 #: Longest wait at exit for the peers' counts (a peer that does not come has failed: no verdict).
 EXIT_WAIT_S = 10.0
+#: torch's own `destroy_process_group`, kept when `leave_cleanly_at_exit` wraps it.
+_TORCH_DESTROY = None
+
+
+class DesyncError(RuntimeError):
+    """Ranks disagreed: about the next collective (a hang, or a failure, caught by the watchdog),
+    or about how many optimizer steps and backward passes they ran."""
 
 
 def step_counts() -> tuple[int, int]:
@@ -158,6 +173,33 @@ def leave_cleanly_at_exit() -> None:
     """
     atexit.unregister(_destroy_at_exit)
     atexit.register(_destroy_at_exit)
+    _wrap_destroy()
+
+
+def _wrap_destroy() -> None:
+    """Make torch's `destroy_process_group` (both of its public names) compare the step counts
+    before the default group goes (idempotent)."""
+    global _TORCH_DESTROY
+    if _TORCH_DESTROY is not None or not dist.is_available():
+        return
+    _TORCH_DESTROY = dist.distributed_c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        """torch's destroy_process_group; for the default group, first the step-count check
+        (DesyncError on every rank, after the group is destroyed, when the counts differ)."""
+        problem = None
+        default = group is None or group is dist.GroupMember.WORLD
+        if default and dist.is_initialized() and getattr(sys, "last_value", None) is None:
+            problem = steps_agree()
+        _TORCH_DESTROY(group)
+        if default:
+            _await_store_thread()  # as at exit: the script may end right after this call
+        if problem is not None:
+            raise DesyncError(f"at destroy_process_group(): {problem}")
+
+    destroy_process_group.__wrapped__ = _TORCH_DESTROY
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
 
 
 def _destroy_at_exit() -> None:
@@ -165,7 +207,7 @@ def _destroy_at_exit() -> None:
         return
     if dist.is_available() and dist.is_initialized():
         problem = steps_agree()
-        dist.destroy_process_group()
+        (_TORCH_DESTROY or dist.destroy_process_group)()  # the counts are compared already
         _await_store_thread()
         if problem is not None:
             # Exiting 0 would report a run whose replicas differ as a success.
@@ -181,10 +223,14 @@ def steps_agree(timeout_s: float = EXIT_WAIT_S) -> str | None:
     world = dist.get_world_size()
     if world == 1:
         return None
+    # Each comparison in this process gets its own keys (a script may destroy the group, start a
+    # new one over the same store and compare again); every rank counts them alike.
+    PHASE_COUNTS["exit check"] += 1
     try:
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()
-        prefix = f"zeroshard_exit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        prefix = (f"zeroshard_exit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                  f"{PHASE_COUNTS['exit check']}/")
         store.set(f"{prefix}{rank}", json.dumps(step_counts()))
         keys = [f"{prefix}{r}" for r in range(world)]
         store.wait(keys, datetime.timedelta(seconds=timeout_s))

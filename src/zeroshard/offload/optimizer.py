@@ -165,16 +165,28 @@ class Placement:
             return self._finish_early(factor, write_owned)
         factor, found_inf = self._for_step(factor, found_inf)
         grads = [m.grad for m in self.masters if m.grad is not None]
-        _scale(grads, factor)
+        grad_scale = None
+        if found_inf is not None and grads and (torch.is_tensor(factor) or factor != 1.0) \
+                and all(g.dtype == torch.float32 for g in grads):
+            # torch's fused kernels (the only ones handed found_inf) divide fp32 gradients by
+            # `grad_scale` as they read them, exactly as `_scale` would before: the clip factor
+            # and unscaling cost no pass over the gradients of their own.
+            grad_scale = _grad_scale(factor, grads[0].device)
+        else:
+            _scale(grads, factor)
         had_state = {id(m) for m in self.masters if m in self.optimizer.state}
         if found_inf is not None:
             self.optimizer.found_inf = found_inf
+        if grad_scale is not None:
+            self.optimizer.grad_scale = grad_scale
         try:
             with _num_threads(self.threads):
                 self.optimizer.step()
         finally:
             if found_inf is not None:
                 del self.optimizer.found_inf
+            if grad_scale is not None:
+                del self.optimizer.grad_scale
         self.drop_grads()
         for unit, master in zip(self.units, self.masters):
             write_owned(unit, master.data)
@@ -300,21 +312,26 @@ def reseat(optimizer: torch.optim.Optimizer, units: list[Unit], masters: list) -
             group["fused"] = True
 
 
+def _grad_scale(factor, device: torch.device) -> torch.Tensor:
+    """1 / `factor` (a float, or a 0-dim float64 tensor), as the 0-dim fp32 tensor torch's fused
+    kernels divide gradients by (filled on the device: no host-to-device copy)."""
+    one = torch.full((), 1.0, dtype=torch.float64, device=device)
+    return one.div_(factor.to(device) if torch.is_tensor(factor) else factor).to(torch.float32)
+
+
 def _scale(grads: list[torch.Tensor], factor) -> None:
-    """Multiply `grads` in place by `factor` (a float, or a 0-dim float64 tensor: then computed in
-    fp32, as a float scalar would be, for gradients below fp32 too)."""
-    if not grads:
-        return
-    if not torch.is_tensor(factor):
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
+    """Multiply `grads` in place by `factor` (a float, or a 0-dim float64 tensor). fp32 ones are
+    divided by its fp32 reciprocal, bit for bit what a fused kernel given it as `grad_scale`
+    does (so every placement steps alike); lower-precision ones are multiplied in fp32."""
+    if not grads or (not torch.is_tensor(factor) and factor == 1.0):
         return
     fp32 = [g for g in grads if g.dtype == torch.float32]
     if fp32:
-        torch._foreach_mul_(fp32, factor.to(fp32[0].device))
+        torch._foreach_div_(fp32, _grad_scale(factor, fp32[0].device))
     for g in grads:
         if g.dtype != torch.float32:
-            g.copy_(g.float().mul_(factor.to(g.device)))
+            scaled = g.float().mul_(factor.to(g.device) if torch.is_tensor(factor) else factor)
+            g.copy_(scaled)
 
 
 def _offload_threads() -> int:

@@ -40,7 +40,8 @@ CORE_ORDER = ["base", "layout", "strategies", "stages", "construct", "optimizer"
 CORE_LAYERS = {
     # Helpers every part uses: host memory, streams, host syncs, the owner registry, the
     # checkpoint key names, the process groups and their watchdog.
-    "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync"},
+    "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync",
+             "step_check"},
     # The one layout: units, flat buffers, shards; stage 3's unit plan (also Init's) and the
     # units taking their memory at initialize() (materialize).
     "layout": {"layout", "leaf", "partition", "init_units", "materialize"},

@@ -143,6 +143,14 @@ def _saves(rank, world, tmp):
                 with open(os.path.join(path, "__0_0.distcp"), "wb") as fh:
                     fh.write(b"x" * 1000)
     engine.comm.barrier()
+    for empty in (None, ""):  # DeepSpeed's ValueError, and nothing written in the working dir
+        listing = sorted(os.listdir("."))
+        try:
+            engine.save_checkpoint(empty)
+            out[f"empty_{empty!r}"] = None
+        except ValueError as err:
+            out[f"empty_{empty!r}"] = str(err)
+        out[f"empty_{empty!r}_wrote"] = sorted(set(os.listdir(".")) - set(listing))
     out["good"] = _attempt(engine, root, "good")
     out["after_good"] = _listing(root)
     engine.comm.barrier()  # every rank has looked before the next save starts
@@ -291,6 +299,14 @@ def test_a_save_from_ranks_at_different_steps_is_refused():
                        r"was written"):
         _agree_on_target(_Views([(8, 8), (7, 8)]), "ckpt", "tag", None)
     assert _agree_on_target(_Views([(8, 8), (8, 8)]), "ckpt", "tag", None)
+
+
+def test_an_empty_save_dir_is_refused_and_nothing_is_written(saves):
+    for got in saves:
+        for empty in (None, ""):
+            message = got[f"empty_{empty!r}"]
+            assert message is not None and f"save_dir is {empty!r}" in message, message
+            assert got[f"empty_{empty!r}_wrote"] == []
 
 
 def test_leftovers_of_dead_saves_are_removed(saves):

@@ -50,6 +50,11 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=
 
 def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> str:
     comm = engine.comm
+    if save_dir is None or not os.fspath(save_dir):
+        # "" would otherwise normalize to the working directory and write a checkpoint there.
+        # Every rank is handed the same argument, so every rank refuses before any collective.
+        raise ValueError(f"save_checkpoint: save_dir is {save_dir!r}; name the directory to "
+                         "write the checkpoint into (it is created if missing)")
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     save_dir = os.path.normpath(os.fspath(save_dir))
     try:

@@ -350,6 +350,14 @@ def test_deepspeed_module_paths_answer():
         assert alias.ALIASES[path] == target.__name__
     for name in ("MiCS_Init", "unwrap_model_for_generation"):
         assert name in zero.__all__
+    # DeepSpeed's tests and scripts catch a bad config as deepspeed.DeepSpeedConfigError.
+    from zeroshard.config.schema import ConfigError, load_config
+
+    module, name = alias.RENAMED["deepspeed"]["DeepSpeedConfigError"]
+    error = getattr(__import__(module, fromlist=[name]), name)
+    assert error is ConfigError and issubclass(error, Exception)
+    with pytest.raises(error, match="stage"):
+        load_config({"zero_optimization": {"stage": 7}})
 
 
 def test_enable_sanity_checks_is_accepted():

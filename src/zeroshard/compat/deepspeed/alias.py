@@ -69,7 +69,8 @@ ALIASES = {
 }
 #: DeepSpeed names with another spelling here: {module: {name: (zeroshard module, attribute)}}.
 RENAMED = {
-    "deepspeed": {"DeepSpeedEngine": ("zeroshard.engine", "Engine")},
+    "deepspeed": {"DeepSpeedEngine": ("zeroshard.engine", "Engine"),
+                  "DeepSpeedConfigError": ("zeroshard.config.schema", "ConfigError")},
     "deepspeed.runtime.engine": {"DeepSpeedEngine": ("zeroshard.engine", "Engine")},
     "deepspeed.runtime.zero.leaf_module_config": {
         "DeepSpeedZeroLeafModuleConfig": ("zeroshard.config.leaf_module", "LeafModuleConfig")},

@@ -60,7 +60,7 @@ def _measure(rank, world):
         policy = engine.optimizer.policy
         out[(precision, stage)] = {
             "psi": psi, "comm": comm, "check": check, "units": len(engine.optimizer.units),
-            "peak_live": getattr(policy, "peak_live_numel", None),
+            "peak_live": policy.params.peak_live_numel if str(stage).startswith("3") else None,
             "largest": max(u.padded_numel for u in engine.optimizer.units),
             **{kind: sum(report[kind].values()) for kind in ("params", "grads", "optimizer")}}
         engine.destroy()

@@ -41,7 +41,7 @@ CORE_LAYERS = {
     # Helpers every part uses: host memory, streams, host syncs, the owner registry, the
     # checkpoint key names, the process groups and their watchdog.
     "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync",
-             "step_check"},
+             "step_check", "training_state"},
     # The one layout: units, flat buffers, shards; stage 3's unit plan (also Init's) and the
     # units taking their memory at initialize() (materialize).
     "layout": {"layout", "leaf", "partition", "init_units", "materialize"},
@@ -50,6 +50,7 @@ CORE_LAYERS = {
                    "zeropp.qgz", "zeropp.qwz", "zeropp.quantize"},
     # The stage policies over the layout, and what only they use.
     "stages": {"spec", "reduction", "policy", "stage0", "stage1", "stage2", "stage3", "schedule",
+               "grad_reducer", "param_gatherer", "stage3_hooks",
                "generation", "guards", "shard_store", "stage3_views", "stage3_reads"},
     # Building a model partitioned (Init) and gathering it back (GatheredParameters).
     "construct": {"init", "gathered", "sanity"},

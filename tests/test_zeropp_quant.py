@@ -225,12 +225,12 @@ def _ledger(rank, world, zero):
 def _overlap(rank, world):
     """Order of qgZ's steps in one backward of a Linear stack: each unit's launch, the start of
     its cross-host exchange (`advance`) and the wait for it."""
-    from zeroshard.core import stage2
+    from zeroshard.core import grad_reducer
     from zeroshard.core.zeropp import collectives
 
     events = []
-    cls, policy_cls = collectives._HierarchicalReduceScatter, stage2.Stage2
-    advance, wait, launch = cls.advance, cls.wait, policy_cls._launch_unit
+    cls, policy_cls = collectives._HierarchicalReduceScatter, grad_reducer.GradReducer
+    advance, wait, launch = cls.advance, cls.wait, policy_cls.launch
 
     def logged_advance(self):
         if self.full is not None and self.received is None:
@@ -247,7 +247,7 @@ def _overlap(rank, world):
         events.append(("launch", unit.index))
         launch(self, unit)
 
-    cls.advance, cls.wait, policy_cls._launch_unit = logged_advance, logged_wait, logged_launch
+    cls.advance, cls.wait, policy_cls.launch = logged_advance, logged_wait, logged_launch
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 200), nn.ReLU(),
@@ -259,7 +259,7 @@ def _overlap(rank, world):
         engine.step()
         engine.destroy()
     finally:
-        cls.advance, cls.wait, policy_cls._launch_unit = advance, wait, launch
+        cls.advance, cls.wait, policy_cls.launch = advance, wait, launch
     return events
 
 

@@ -27,7 +27,7 @@ import torch
 from ..dist import Comm
 from .groups import blocks, split, strided
 from .layout import Unit
-from .strategies import Reduce
+from .strategies import ReduceHandle, ReduceStrategy
 
 
 def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
@@ -37,16 +37,20 @@ def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
         split(comm, strided(comm.world_size, size))
 
 
-class ReplicaReduce(Reduce):
+class ReplicaReduce(ReduceStrategy):
     """MiCS: the wrapped reduction inside the shard group, then at the accumulation boundary the
     replica all-reduce of each gradient shard, divided by the number of replicas."""
 
-    def __init__(self, inner: Reduce, replicas: Comm):
-        super().__init__(inner.comm)
+    def __init__(self, inner: ReduceStrategy, replicas: Comm):
+        """`replicas`: this rank's replica group (the ranks holding the same shards)."""
         self.inner = inner
         self.replicas = replicas
 
-    def start(self, buffer: torch.Tensor, unit: Unit):
+    def replica_position(self) -> int:
+        """This rank's place in its replica group."""
+        return self.replicas.rank
+
+    def start(self, buffer: torch.Tensor, unit: Unit) -> ReduceHandle:
         """The shard group's reduction (the wrapped one)."""
         return self.inner.start(buffer, unit)
 
@@ -72,6 +76,6 @@ def sync_replicas(units, persistent: set[int], replicas: Comm) -> None:
 
 
 def replica_position(policy) -> int:
-    """Which replica of the shard group this rank is in (0: the first, and always without MiCS)."""
-    reducer = getattr(policy, "reducer", None)
-    return reducer.replicas.rank if isinstance(reducer, ReplicaReduce) else 0
+    """Which replica of the shard group this rank is in (0: the first, and always without MiCS):
+    the policy's answer (`StagePolicy.replica_position`)."""
+    return policy.replica_position()

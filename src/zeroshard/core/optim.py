@@ -197,13 +197,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Newton-Schulz drops the loss scale; the update gets it back, so the norm, the
             # overflow check and the unscaling treat it as they treat a gradient.
             grads = self.muon.orthogonalize(grads, scale)
-        total, counts = self._global_sq_norm(self.placement.sq_norm(grads))
+        total, counts = global_sq_norm(self.placement.sq_norm(grads), self.comm, self.device,
+                                       self.policy.shards_optimizer)
         if counts is None:  # stage 0: the counts came with the gradients' last all-reduce
             counts = self.policy.received_counts()
         self.steps += 1
         norm = total.sqrt() / scale
         found_inf = (~torch.isfinite(total)).to(torch.float32)
-        factor = self._factor(norm, scale)
+        factor = clip_factor(norm, scale, self.clip_norm)
         masked = self.placement.can_mask()
         if counts is not None:
             # Ranks at different steps (step_check.py): the fused kernels skip this step as they
@@ -264,40 +265,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return False
         if self.skip_nonfinite:
             if self.comm.rank == 0:
-                warnings.warn(f"{self._nonfinite_message(skipped=True)}", NonFiniteGradientWarning,
+                warnings.warn(f"{nonfinite_message(self, skipped=True)}", NonFiniteGradientWarning,
                               stacklevel=4)
             self.step_applied = False
             return False
-        message = self._nonfinite_message()
+        message = nonfinite_message(self)
         # Nothing was applied; clearing the gradients lets a caller skip the bad batch.
         self.policy.zero_grad()
         raise NonFiniteGradientError(message)
-
-    def _factor(self, norm: torch.Tensor, scale: float):
-        """What the gradients are multiplied by: 1/scale as a float without clipping, else a
-        device tensor (1/scale) x min(1, clip / (norm + 1e-6)), never read on the host."""
-        if self.clip_norm <= 0:
-            return 1.0 / scale
-        clip = self.clip_norm
-        return torch.where(norm > clip, clip / (norm + 1e-6), 1.0) * (1.0 / scale)
-
-    def _global_sq_norm(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sum of squares of the (still scaled) gradient over all shards of all ranks, a 0-dim
-        float64 tensor on the compute device, from this rank's sum (float64, shape [1], in host
-        memory under optimizer offload); and every rank's step counts, which the all-reduce
-        carries after the sum (`step_check.py`; None when there is no all-reduce)."""
-        if not self.policy.shards_optimizer:
-            return local.reshape(()), None
-        extra = step_check.tail_numel(self.comm.world_size)
-        if extra:  # the counts join the sum where it is (host memory under offload)
-            both = host_empty(1 + extra, torch.float64) if is_host(local) else \
-                torch.empty(1 + extra, dtype=torch.float64, device=local.device)
-            both[:1].copy_(local.reshape(1))
-            step_check.write_counts(both[1:], self.comm.rank)
-            local = both
-        local = to_device(local, self.device)  # NCCL takes device tensors only
-        self.comm.all_reduce(local, checked=extra)
-        return local[0], (local[1:] if extra else None)
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -306,34 +281,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return None
         return float(self.syncs.read(self.grad_norm, "grad norm asked for"))
 
-    def _nonfinite_message(self, skipped: bool = False) -> str:
-        bad = [u.describe() for u in self.units if not self.policy.unit_grad_is_finite(u)]
-        where = f" on rank {self.comm.rank} in {', '.join(bad[:3])}" if bad else \
-            f" on another rank than {self.comm.rank}"
-        if skipped:
-            return (f"gradient norm is inf/nan at optimizer step {self.steps}{where}; the step was "
-                    "skipped (bf16.check_grad_overflow, counted in skipped_steps)")
-        return (f"gradient norm is inf/nan at optimizer step {self.steps}{where}; the step was not "
-                "applied and parameters are unchanged. Check the loss for nan/inf (bad batch, "
-                "log of 0, too high learning rate) or use fp16 loss scaling / bf16.")
-
     # -- ledger ----------------------------------------------------------------------------------
     def ledger(self) -> list[tuple[str, str, list[torch.Tensor]]]:
-        """`(kind, placement, tensors)` for what this rank holds in memory. The memory ledger
-        counts each storage once, under the first entry naming it: offloaded parts come first,
-        then parameters (an fp32 master that is the owned parameter slice counts as a parameter)."""
-        entries = [("optimizer", where, tensors) for where, tensors in self.placement.ledger().items()]
-        if self.muon is not None:
-            entries.append(("optimizer", self.muon.place, self.muon.tensors()))
-        entries += [("buffers", where, tensors)
-                    for where, tensors in self.placement.buffer_ledger().items()]
-        entries.append(("buffers", "cpu", self.policy.offload_buffer_tensors()))
-        entries += [("params", where, tensors)
-                    for where, tensors in self.policy.placed_param_tensors().items()]
-        entries += [("grads", self.policy.grad_place, self.policy.grad_tensors()),
-                    ("buffers", "device", self.policy.buffer_tensors())]
-        # Device-resident entries after the parameters they may alias.
-        return sorted(entries, key=lambda e: e[1] == "device" and e[0] != "params")
+        """`(kind, placement, tensors)` for what this rank holds in memory (`ledger_entries`)."""
+        return ledger_entries(self.placement, self.policy, self.muon)
 
     def nvme_bytes(self) -> dict[str, int]:
         """Bytes of swap files by kind ("params", "optimizer")."""
@@ -345,6 +296,67 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.placement.close()
         for unit in self.all_units:
             forget(unit)
+
+
+def nonfinite_message(opt: ZeroOptimizer, skipped: bool = False) -> str:
+    """What an inf/nan gradient norm at `opt`'s step is reported as (`skipped`: bf16's
+    check_grad_overflow skipped it), naming the units whose gradients are bad on this rank."""
+    bad = [u.describe() for u in opt.units if not opt.policy.unit_grad_is_finite(u)]
+    where = f" on rank {opt.comm.rank} in {', '.join(bad[:3])}" if bad else \
+        f" on another rank than {opt.comm.rank}"
+    if skipped:
+        return (f"gradient norm is inf/nan at optimizer step {opt.steps}{where}; the step was "
+                "skipped (bf16.check_grad_overflow, counted in skipped_steps)")
+    return (f"gradient norm is inf/nan at optimizer step {opt.steps}{where}; the step was not "
+            "applied and parameters are unchanged. Check the loss for nan/inf (bad batch, "
+            "log of 0, too high learning rate) or use fp16 loss scaling / bf16.")
+
+
+def global_sq_norm(local: torch.Tensor, comm: Comm, device: torch.device,
+                   sharded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum of squares of the (still scaled) gradient over all shards of all ranks, a 0-dim
+    float64 tensor on the compute `device`, from this rank's sum `local` (float64, shape [1], in
+    host memory under optimizer offload); and every rank's step counts, which the all-reduce
+    carries after the sum (`step_check.py`; None when there is no all-reduce: `sharded` false,
+    every rank stepped everything)."""
+    if not sharded:
+        return local.reshape(()), None
+    extra = step_check.tail_numel(comm.world_size)
+    if extra:  # the counts join the sum where it is (host memory under offload)
+        both = host_empty(1 + extra, torch.float64) if is_host(local) else \
+            torch.empty(1 + extra, dtype=torch.float64, device=local.device)
+        both[:1].copy_(local.reshape(1))
+        step_check.write_counts(both[1:], comm.rank)
+        local = both
+    local = to_device(local, device)  # NCCL takes device tensors only
+    comm.all_reduce(local, checked=extra)
+    return local[0], (local[1:] if extra else None)
+
+
+def clip_factor(norm: torch.Tensor, scale: float, clip_norm: float):
+    """What the gradients are multiplied by: 1/scale as a float without clipping, else a device
+    tensor (1/scale) x min(1, clip / (norm + 1e-6)), never read on the host."""
+    if clip_norm <= 0:
+        return 1.0 / scale
+    return torch.where(norm > clip_norm, clip_norm / (norm + 1e-6), 1.0) * (1.0 / scale)
+
+
+def ledger_entries(placement, policy: StagePolicy, muon) -> list[tuple[str, str, list]]:
+    """`(kind, placement, tensors)` for what this rank holds in memory. The memory ledger counts
+    each storage once, under the first entry naming it: offloaded parts come first, then
+    parameters (an fp32 master that is the owned parameter slice counts as a parameter)."""
+    entries = [("optimizer", where, tensors) for where, tensors in placement.ledger().items()]
+    if muon is not None:
+        entries.append(("optimizer", muon.place, muon.tensors()))
+    entries += [("buffers", where, tensors)
+                for where, tensors in placement.buffer_ledger().items()]
+    entries.append(("buffers", "cpu", policy.offload_buffer_tensors()))
+    entries += [("params", where, tensors)
+                for where, tensors in policy.placed_param_tensors().items()]
+    entries += [("grads", policy.grad_place, policy.grad_tensors()),
+                ("buffers", "device", policy.buffer_tensors())]
+    # Device-resident entries after the parameters they may alias.
+    return sorted(entries, key=lambda e: e[1] == "device" and e[0] != "params")
 
 
 def build_optimizer(spec, params, module: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -6,13 +6,16 @@ updated shards must be all-gathered after the optimizer step. A policy is built 
 `StageSpec` (`spec.py`) and is complete when its constructor returns. The optimizer (`optim.py`) asks a
 policy for three things: `reduce_gradients()` at the accumulation boundary, `grad_shard(unit)` (the
 averaged gradient of the slice this rank steps), and `gather_params()` after the step.
+
+The four stages (`stage0.py` .. `stage3.py`) each derive from `StagePolicy` only, never from one
+another: what two of them share is a part they hold (`FullGradients` here, for stages 0-1; the
+gradient reducer `grad_reducer.py`, for stages 2-3; stage 3's `param_gatherer.py`), and each holds
+its own `StepState` (`training_state.py`) where its hooks check where the step is.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd import Variable
-from torch.utils._pytree import tree_leaves
 
 from ..dist import Comm, wait_all
 from .layout import Unit
@@ -40,35 +43,28 @@ def eager_hook(fn):
 
 
 class StagePolicy:
-    """Base policy: full gradient buffers with parameter `.grad` views into them."""
+    """What every stage shares: the slice of each unit a rank owns, and the interface the optimizer,
+    the engine and checkpoints call (stages override what they do differently)."""
 
     stage = -1
     #: Each rank steps only its 1/N shard (stages >= 1) rather than the whole unit (stage 0).
     shards_optimizer = True
 
     def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *,
-                 module: torch.nn.Module | None = None, syncs=None, early=None,
-                 streams: Streams | None = None):
-        """Lay out gradient storage and hook the model, from `spec` (no later set-up phase).
+                 module: torch.nn.Module | None, streams: Streams):
+        """Keep what every stage reads; a stage's own constructor then builds its parts and
+        hooks (nothing is set up later).
 
-        `syncs`: the optimizer's counter of host synchronization points (`hostsync.py`);
-        `early`: under optimizer offload, the per-unit CPU step (`offload/early.py`) handed each
-        gradient shard as it becomes final in a boundary backward (stages 2-3), or None;
-        `streams`: the step's side streams (`streams.py`; None: made here, for tests)."""
+        `streams`: the step's side streams (`streams.py`, one owner, made by the builder)."""
         self.units = units
         self.module = module
         self.comm = comm
         self.overlap = spec.overlap_comm
         self.grad_place = spec.grad_place
         self.reduction = spec.reduction
-        self.accum_dtype = spec.accum_dtype
         self.keeps_gradients = spec.keeps_gradients
-        self.syncs = syncs
-        self.early = early
-        self.streams = streams if streams is not None else Streams(
-            units[0].compute_device if units else torch.device("cpu"))
+        self.streams = streams
         self.hooks = []
-        self._attach()
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_bounds(self, unit: Unit) -> tuple[int, int]:
@@ -95,6 +91,58 @@ class StagePolicy:
     def commit(self, unit: Unit) -> None:
         """Make the owned slice reflect in-place changes to the full parameters (no-op: a view)."""
 
+    # -- the step ----------------------------------------------------------------------------------
+    def expect_boundary(self, boundary: bool) -> None:
+        """Told before each engine backward whether it ends an accumulation window."""
+
+    def defer_reduction(self) -> None:
+        """Keep the gradients of the coming backwards local until `flush_reduction` (inside the
+        engine's `coalesce_grad_reduction()`; below stage 2 nothing is reduced before the
+        boundary anyway)."""
+
+    def flush_reduction(self) -> None:
+        """End `defer_reduction`: reduce, once, what the backwards since then accumulated."""
+
+    def reduce_gradients(self) -> None:
+        """Average gradients across ranks at the accumulation boundary."""
+        raise NotImplementedError
+
+    def grad_shard(self, unit: Unit) -> torch.Tensor:
+        """This rank's averaged gradient for the slice it steps (compute dtype)."""
+        raise NotImplementedError
+
+    def received_counts(self) -> torch.Tensor | None:
+        """Every rank's step counts, if this step's gradient reduction carried them (stage 0;
+        `step_check.py`); None: the norm's all-reduce carries them."""
+        return None
+
+    def replica_position(self) -> int:
+        """Which replica of its shard group this rank is in (0 unless shards are replicated, as
+        under MiCS): checkpoints write shards from replica 0 only."""
+        return 0
+
+    def gather_params(self) -> None:
+        """Make full parameters current again after the optimizer updated this rank's shards."""
+        handles = []
+        for unit in self.units:
+            lo, hi = unit.shard_bounds(self.comm.rank)
+            handles.append(self.comm.all_gather(unit.flat, unit.flat[lo:hi], async_op=True,
+                                                unit=unit))
+        wait_all(handles)
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget every gradient and any half-done backward (before loading a checkpoint)."""
+        self.zero_grad()
+
+    def unit_grad_is_finite(self, unit: Unit) -> bool:
+        """Whether this rank's gradient slice of `unit` is free of inf/nan (error reporting only)."""
+        return bool(torch.isfinite(self.grad_shard(unit)).all())
+
+    # -- for the memory ledger ---------------------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
         """Parameter storage this policy holds now (for the memory ledger)."""
         return [unit.flat for unit in self.units]
@@ -107,134 +155,24 @@ class StagePolicy:
         """Bytes of parameter swap files (stage 3 with offload_param nvme)."""
         return 0
 
-    # -- construction ----------------------------------------------------------------------------
-    def _attach(self) -> None:
-        """Allocate gradient storage and register hooks (the last step of construction)."""
-        self.flat_grads = []
-        for unit in self.units if self.keeps_gradients else []:
-            flat = self._new_grad_buffer(unit)
-            for i, (slot, view) in enumerate(unit.views(flat)):
-                # autograd accumulates in place into an existing .grad, so this is zero-copy.
-                slot.param.grad = view
-                self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    self._grad_hook(unit, i, view)))
-            self.flat_grads.append(flat)
-
-    def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
-        """The post-accumulate-grad hook of `unit`'s parameter number `slot` (stage 0 adds its
-        own work to it: one Python call per parameter and backward, not several)."""
-        return _reattach_hook(view)
-
-    def _new_grad_buffer(self, unit: Unit) -> torch.Tensor:
-        """A zeroed full gradient buffer for `unit` (stage 0 leaves room after it)."""
-        return torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.compute_device)
-
-    def expect_boundary(self, boundary: bool) -> None:
-        """Told before each engine backward whether it ends an accumulation window (stage 0
-        communicates in that backward only; the other stages need not know)."""
-
-    #: Inside the engine's `coalesce_grad_reduction()`: gradients stay in full local buffers.
-    deferring = False
-
-    def defer_reduction(self) -> None:
-        """Keep the gradients of the coming backwards local until `flush_reduction` (stages 2-3
-        stop reducing in each backward; below, nothing is reduced before the boundary anyway)."""
-        self.deferring = True
-
-    def flush_reduction(self) -> None:
-        """End `defer_reduction`: reduce, once, what the backwards since then accumulated."""
-        self.deferring = False
-
-    # -- the end-of-backward callback (stages that reduce during backward) -----------------------
-    armed = True  # whether this backward queues `_end_of_backward` (stage 0: boundary only)
-    callback_queued = False
-
-    @eager_hook
-    def _hook_outputs(self, _module, _inputs, output) -> None:
-        """Forward hook on the model: a hook on its outputs queues the end-of-backward callback."""
-        # The callback must join the *outer* backward: a hook on the model's outputs runs there
-        # first, before any reentrant checkpoint starts a nested backward (whose end would
-        # otherwise flush half-filled units).
-        if torch.is_grad_enabled():
-            for leaf in tree_leaves(output):
-                if torch.is_tensor(leaf) and leaf.requires_grad:
-                    leaf.register_hook(self._queue_end_of_backward)
-
-    def _queue_end_of_backward(self, _grad=None) -> None:
-        if self.armed and not self.callback_queued:
-            self.callback_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _launch(self, force: bool) -> None:
-        """Start the collectives of the units whose gradients are complete, in layout order (all
-        remaining ones when `force`); uses the stage's `missing`, `launched`, `next_launch`."""
-        while self.next_launch < len(self.units):
-            unit = self.units[self.next_launch]
-            if self.missing[unit.index] > 0 and not force:
-                return
-            self.next_launch += 1
-            if unit.index not in self.launched:
-                self._launch_unit(unit)
-
-    def _launch_unit(self, unit: Unit) -> None:
-        raise NotImplementedError
-
-    def _end_of_backward(self) -> None:
-        raise NotImplementedError
-
-    def reduce_gradients(self) -> None:
-        """Average gradients across ranks at the accumulation boundary."""
-        raise NotImplementedError
-
-    def received_counts(self) -> torch.Tensor | None:
-        """Every rank's step counts, if this step's gradient reduction carried them (stage 0;
-        `step_check.py`); None: the norm's all-reduce carries them."""
-        return None
-
-    def grad_shard(self, unit: Unit) -> torch.Tensor:
-        """This rank's averaged gradient for the slice it steps (compute dtype)."""
-        lo, hi = self.owned_bounds(unit)
-        return self.flat_grads[unit.index][lo:hi]
-
-    def gather_params(self) -> None:
-        """Make full parameters current again after the optimizer updated this rank's shards."""
-        handles = []
-        for unit in self.units:
-            lo, hi = unit.shard_bounds(self.comm.rank)
-            handles.append(self.comm.all_gather(unit.flat, unit.flat[lo:hi], async_op=True,
-                                                unit=unit))
-        wait_all(handles)
-
-    def zero_grad(self) -> None:
-        """Clear accumulated gradients (keeping the views attached)."""
-        for flat in self.flat_grads:
-            flat.zero_()
-
-    def reset(self) -> None:
-        """Forget every gradient and any half-done backward (before loading a checkpoint)."""
-        self.zero_grad()
-
     def grad_tensors(self) -> list[torch.Tensor]:
         """Gradient storage this policy keeps between steps (for the memory ledger)."""
-        return list(self.flat_grads)
+        raise NotImplementedError
 
     def buffer_tensors(self) -> list[torch.Tensor]:
         """Communication buffers held between collectives (for the memory ledger)."""
         return []
 
+    def offload_buffer_tensors(self) -> list[torch.Tensor]:
+        """Staging buffers of offloaded parameters (stage 3; for the memory ledger, on the CPU)."""
+        return []
+
+    # -- teardown ----------------------------------------------------------------------------------
     def empty_cache(self) -> None:
         """Free memory kept for reuse (stage 3: gathered units and spare blocks); none below."""
 
     def drain(self) -> None:
         """Finish offload I/O in flight, ignoring failures (after one was reported)."""
-
-    def offload_buffer_tensors(self) -> list[torch.Tensor]:
-        """Staging buffers of offloaded parameters (stage 3; for the memory ledger, on the CPU)."""
-        return []
-
-    def unit_grad_is_finite(self, unit: Unit) -> bool:
-        """Whether this rank's gradient slice of `unit` is free of inf/nan (error reporting only)."""
-        return bool(torch.isfinite(self.grad_shard(unit)).all())
 
     def close(self, keep_parameters: bool = True) -> None:
         """Remove hooks (used when an engine is torn down; parameters are whole below stage 3)."""
@@ -243,7 +181,41 @@ class StagePolicy:
         self.hooks.clear()
 
 
-def _reattach_hook(view: torch.Tensor):
+class FullGradients:
+    """Stages 0-1: one full gradient buffer per unit, each parameter's `.grad` a view into it, so
+    autograd accumulates in place (zero-copy)."""
+
+    def __init__(self, units: list[Unit], keeps_gradients: bool, extra: int = 0):
+        """`extra`: elements of storage left after each buffer (stage 0's step counts)."""
+        self.units = units
+        self.flats: list[torch.Tensor] = []
+        for unit in units if keeps_gradients else []:
+            flat = torch.zeros(unit.padded_numel + extra, dtype=unit.dtype,
+                               device=unit.compute_device)[:unit.padded_numel]
+            for slot, view in unit.views(flat):
+                slot.param.grad = view
+            self.flats.append(flat)
+
+    def hook(self, hooks: list, make_hook) -> None:
+        """Register, on every parameter, the post-accumulate hook `make_hook(unit, slot, view)`
+        (appended to `hooks`): one Python call per parameter and backward."""
+        for unit, flat in zip(self.units, self.flats):
+            for i, (slot, view) in enumerate(unit.views(flat)):
+                hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    make_hook(unit, i, view)))
+
+    def view(self, unit: Unit, slot: int) -> torch.Tensor:
+        """Slot `slot` of `unit`'s gradient buffer, shaped as its parameter."""
+        spec = unit.slots[slot]
+        return self.flats[unit.index][spec.offset:spec.offset + spec.numel].view(spec.shape)
+
+    def zero(self) -> None:
+        """Zero every buffer (the views stay attached)."""
+        for flat in self.flats:
+            flat.zero_()
+
+
+def reattach_hook(view: torch.Tensor):
     """After `model.zero_grad(set_to_none=True)` autograd hands a fresh tensor: fold it back in."""
 
     def hook(param: torch.nn.Parameter) -> None:
@@ -253,4 +225,3 @@ def _reattach_hook(view: torch.Tensor):
             param.grad = view
 
     return hook
-

@@ -35,9 +35,13 @@ from functools import partial
 
 import torch
 
+from ..dist import Comm
 from .layout import Unit
-from .policy import MAX_IN_FLIGHT, StagePolicy
+from .policy import MAX_IN_FLIGHT, FullGradients, StagePolicy, reattach_hook
+from .spec import StageSpec
 from .step_check import tail_numel, write_counts
+from .streams import Streams
+from .training_state import LaunchOrder, StepState, TrainingState, hook_outputs
 
 
 class Stage0(StagePolicy):
@@ -46,43 +50,40 @@ class Stage0(StagePolicy):
     stage = 0
     shards_optimizer = False
 
-    def _new_grad_buffer(self, unit: Unit) -> torch.Tensor:
-        """The unit's gradient buffer, a view of storage with room for the step counts after it."""
-        extra = tail_numel(self.comm.world_size)
-        return torch.zeros(unit.padded_numel + extra, dtype=unit.dtype,
-                           device=unit.compute_device)[:unit.padded_numel]
-
-    def _attach(self) -> None:
-        """Full gradient buffers (as the base policy), the hooks that overlap the all-reduce."""
-        super()._attach()
+    def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *,
+                 module: torch.nn.Module | None, streams: Streams, syncs=None, early=None):
+        """Full gradient buffers (each with room for the step counts after it), and the hooks
+        that overlap the all-reduce with backward (`syncs` / `early` unused at stage 0)."""
+        super().__init__(units, comm, spec, module=module, streams=streams)
+        self.grads = FullGradients(units, spec.keeps_gradients, extra=tail_numel(comm.world_size))
+        self.state = StepState(self._end_of_backward, self.stage)
+        self.order = LaunchOrder(units)
         self.reduced: dict[int, torch.Tensor] = {}  # averaged copies in a wider dtype
         self.earlier: dict[int, torch.Tensor] = {}  # averages set aside (see the module docstring)
         self.averaged: set[int] = set()  # buffers that hold (or are becoming) their average
-        self.dirty = {u.index for u in self.units}  # buffers changed since their reduction
-        self.armed = True
+        self.dirty = {u.index for u in units}  # buffers changed since their reduction
+        self.armed = True  # whether the coming backward communicates (the boundary's does)
         self.in_flight: dict[int, tuple] = {}  # unit index -> (unit, send, handle)
         self.counts: torch.Tensor | None = None  # every rank's step counts, from the last round
         # Parameters whose gradient views hold stale values since zero_grad (`.grad` is None
         # until autograd's first gradient is copied in): unit index -> slot indices.
         self.stale: dict[int, set[int]] = {}
-        self._clear_backward()
-        if not (self.keeps_gradients and self.comm.world_size > 1):
+        self.overlapping = self.overlap and module is not None and comm.world_size > 1
+        self.grads.hook(self.hooks, self._grad_hook)
+        if not (spec.keeps_gradients and comm.world_size > 1):
             return
-        for unit in self.units:
+        for unit in units:
             for slot in unit.slots:
                 self.hooks.append(slot.param.register_hook(partial(self._before_grad, unit)))
-        if self._overlapping():
-            self.hooks.append(self.module.register_forward_hook(self._hook_outputs))
-
-    def _overlapping(self) -> bool:
-        """Whether backward launches the all-reduces (else the boundary does)."""
-        return self.overlap and self.module is not None and self.comm.world_size > 1
+        if self.overlapping:
+            self.hooks.append(module.register_forward_hook(
+                lambda _m, _i, out: hook_outputs(out, self._begin_backward)))
 
     def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
-        """After autograd accumulated a gradient: into the view (`_reattach_hook`), no longer
+        """After autograd accumulated a gradient: into the view (`reattach_hook`), no longer
         stale, and the unit launched once complete (overlap)."""
-        reattach = super()._grad_hook(unit, slot, view)
-        overlapping = self._overlapping()
+        reattach = reattach_hook(view)
+        overlapping = self.overlapping
 
         def hook(param) -> None:
             reattach(param)
@@ -90,7 +91,7 @@ class Stage0(StagePolicy):
             if stale:
                 stale.discard(slot)
             if overlapping:
-                self._on_grad_ready(unit, param)
+                self._on_grad_ready(unit)
 
         return hook
 
@@ -99,6 +100,10 @@ class Stage0(StagePolicy):
         self.armed = boundary
 
     # -- backward ------------------------------------------------------------------------------
+    def _begin_backward(self, _grad=None) -> None:
+        if self.armed:
+            self.state.begin_backward()
+
     def _before_grad(self, unit: Unit, _grad) -> None:
         """Before autograd adds into `unit`'s buffer: land its all-reduce, set an average aside."""
         index = unit.index
@@ -108,7 +113,7 @@ class Stage0(StagePolicy):
         if index not in self.averaged:
             return
         self.averaged.discard(index)
-        flat = self.flat_grads[index]
+        flat = self.grads.flats[index]
         if index in self.earlier:
             self.earlier[index].add_(flat)
         else:
@@ -118,17 +123,16 @@ class Stage0(StagePolicy):
     def _clear_stale(self, unit: Unit) -> None:
         """Zero (and re-attach) the views of parameters that got no gradient since zero_grad."""
         for i in self.stale.pop(unit.index, ()):
-            slot = unit.slots[i]
-            view = self.flat_grads[unit.index][slot.offset:slot.offset + slot.numel]
-            slot.param.grad = view.zero_().view(slot.shape)
+            unit.slots[i].param.grad = self.grads.view(unit, i).zero_()
 
-    def _on_grad_ready(self, unit: Unit, _param) -> None:
+    def _on_grad_ready(self, unit: Unit) -> None:
         if not self.armed:
             return
-        self._queue_end_of_backward()
-        self.missing[unit.index] -= 1
-        if unit.index not in self.launched:
-            self._launch(force=False)
+        self.state.begin_backward()
+        self.order.arrived(unit)
+        if unit.index not in self.order.launched:
+            for ready in self.order.ready():
+                self._launch_unit(ready)
 
     def _launch_unit(self, unit: Unit, carries: bool | None = None) -> None:
         """All-reduce `unit` asynchronously (in place when it can); `carries`: with the step counts
@@ -137,7 +141,7 @@ class Stage0(StagePolicy):
             carries = unit.index == self.units[-1].index
         self._clear_stale(unit)
         n = self.comm.world_size
-        flat = self.flat_grads[unit.index]
+        flat = self.grads.flats[unit.index]
         dtype = self.reduction.comm_dtype(flat.dtype)
         extra = tail_numel(n) if carries else 0
         if dtype == flat.dtype:
@@ -150,13 +154,13 @@ class Stage0(StagePolicy):
         if extra:
             write_counts(send[unit.padded_numel:], self.comm.rank)
         self.dirty.discard(unit.index)
-        self.launched.add(unit.index)
+        self.order.launched.add(unit.index)
         if send.data_ptr() == flat.data_ptr():
             self.averaged.add(unit.index)
         handle = self.comm.all_reduce(send, async_op=True, unit=unit, checked=extra)
         self.in_flight[unit.index] = (unit, send, handle)
         copies = [i for i, entry in self.in_flight.items() if entry[1].data_ptr() !=
-                  self.flat_grads[i].data_ptr()]
+                  self.grads.flats[i].data_ptr()]
         if len(copies) > MAX_IN_FLIGHT:  # copies cost memory; in-place ones cost nothing
             self._land(copies[0])
 
@@ -168,7 +172,7 @@ class Stage0(StagePolicy):
         if send.numel() > unit.padded_numel:
             self.counts = send[unit.padded_numel:].clone()
         averaged = self.reduction.after(send[:unit.padded_numel], self.comm.world_size)
-        if averaged.data_ptr() != self.flat_grads[index].data_ptr():
+        if averaged.data_ptr() != self.grads.flats[index].data_ptr():
             self.reduced[index] = averaged  # a wider dtype (bf16/fp16 gradients)
 
     def _land_all(self) -> None:
@@ -176,19 +180,15 @@ class Stage0(StagePolicy):
             self._land(index)
 
     def _end_of_backward(self) -> None:
-        self._launch(force=True)
+        for unit in self.order.ready(force=True):
+            self._launch_unit(unit)
         self._land_all()
-        self._clear_backward()
-
-    def _clear_backward(self) -> None:
-        self.missing = {u.index: len(u.slots) for u in self.units}
-        self.launched: set[int] = set()
-        self.next_launch = 0
-        self.callback_queued = False
+        self.order.clear()
 
     # -- interface -----------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """All-reduce (in the communication dtype) and average what backward has not reduced."""
+        self.state.expect(TrainingState.IDLE, what="the optimizer step")
         self._land_all()
         todo = [u for u in self.units if u.index in self.dirty]
         for i, unit in enumerate(todo):
@@ -196,7 +196,7 @@ class Stage0(StagePolicy):
         self._land_all()
         self.dirty.clear()
         for index, earlier in self.earlier.items():  # set aside in place: the buffer's dtype
-            self.flat_grads[index].add_(earlier)
+            self.grads.flats[index].add_(earlier)
         self.earlier.clear()
 
     def received_counts(self) -> torch.Tensor | None:
@@ -206,7 +206,7 @@ class Stage0(StagePolicy):
     def grad_shard(self, unit) -> torch.Tensor:
         """The unit's averaged gradient (in the communication dtype) once reduced."""
         reduced = self.reduced.get(unit.index)
-        return reduced if reduced is not None else super().grad_shard(unit)
+        return reduced if reduced is not None else self.grads.flats[unit.index]
 
     def gather_params(self) -> None:
         """Nothing to gather: every rank stepped the full parameters."""
@@ -214,8 +214,12 @@ class Stage0(StagePolicy):
     def zero_grad(self) -> None:
         """Clear the gradients and forget the reduced copies and counts. The buffers are not
         zeroed: each parameter's `.grad` is let go, so that autograd's next gradient is copied
-        into its view (`_reattach_hook`) instead of added to zeros, one pass over the gradients
-        fewer; views that get no gradient are zeroed before their unit is reduced."""
+        into its view (`reattach_hook`) instead of added to zeros, one pass over the gradients
+        fewer; views that get no gradient are zeroed before their unit is reduced. A backward
+        cut short (an error inside it) is dropped first."""
+        if self.state.in_backward:
+            self.reset()
+            return
         self.reduced.clear()
         self.earlier.clear()
         self.averaged.clear()
@@ -232,12 +236,13 @@ class Stage0(StagePolicy):
             if handle is not None:
                 handle.wait()
         self.in_flight.clear()
-        self._clear_backward()
+        self.order.clear()
+        self.state.reset()
         self.zero_grad()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Full gradient buffers, plus reduced copies and set-aside averages (between backward
         and step)."""
-        flats = {t.data_ptr() for t in self.flat_grads}
+        flats = {t.data_ptr() for t in self.grads.flats}
         extra = [*self.reduced.values(), *self.earlier.values()]
-        return super().grad_tensors() + [t for t in extra if t.data_ptr() not in flats]
+        return list(self.grads.flats) + [t for t in extra if t.data_ptr() not in flats]

@@ -19,7 +19,11 @@ from collections import deque
 
 import torch
 
-from .policy import MAX_IN_FLIGHT, StagePolicy
+from ..dist import Comm
+from .layout import Unit
+from .policy import MAX_IN_FLIGHT, FullGradients, StagePolicy, reattach_hook
+from .spec import StageSpec
+from .streams import Streams
 
 
 class Stage1(StagePolicy):
@@ -27,16 +31,20 @@ class Stage1(StagePolicy):
 
     stage = 1
 
-    def _attach(self) -> None:
-        """Full gradient buffers (as the base policy) and no reduced shards yet."""
-        super()._attach()
-        self.reduced: dict[int, torch.Tensor] = {}
+    def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *,
+                 module: torch.nn.Module | None, streams: Streams, syncs=None, early=None):
+        """Full gradient buffers with the parameters' `.grad` views (`syncs` / `early` unused:
+        nothing is reduced in backward)."""
+        super().__init__(units, comm, spec, module=module, streams=streams)
+        self.grads = FullGradients(units, spec.keeps_gradients)
+        self.grads.hook(self.hooks, lambda unit, slot, view: reattach_hook(view))
+        self.reduced: dict[int, torch.Tensor] = {}  # unit index -> this rank's averaged slice
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter each unit's gradients and keep the average of this rank's slice."""
         pending = deque()
         n = self.comm.world_size
-        for unit, flat in zip(self.units, self.flat_grads):
+        for unit, flat in zip(self.units, self.grads.flats):
             send = self.reduction.for_reduce(flat, n)  # a communication-dtype copy, or flat itself
             pending.append((unit, send, self.comm.reduce_scatter(send, async_op=True,
                                                                    unit=unit)))
@@ -50,21 +58,25 @@ class Stage1(StagePolicy):
             handle.wait()
         own = self.reduction.after(unit.shard_view(send, self.comm.rank), self.comm.world_size)
         # A cast copy is let go at once: only this rank's slice of it is kept.
-        is_flat = send.data_ptr() == self.flat_grads[unit.index].data_ptr()
+        is_flat = send.data_ptr() == self.grads.flats[unit.index].data_ptr()
         self.reduced[unit.index] = own if is_flat else own.clone()
 
     def grad_shard(self, unit) -> torch.Tensor:
-        """This rank's averaged slice (in the communication dtype) once reduced."""
+        """This rank's averaged slice (in the communication dtype) once reduced, else the
+        not yet averaged slice of the full buffer."""
         reduced = self.reduced.get(unit.index)
-        return reduced if reduced is not None else super().grad_shard(unit)
+        if reduced is not None:
+            return reduced
+        lo, hi = self.owned_bounds(unit)
+        return self.grads.flats[unit.index][lo:hi]
 
     def zero_grad(self) -> None:
         """Clear the full buffers and forget the reduced slices."""
         self.reduced.clear()
-        super().zero_grad()
+        self.grads.zero()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Full gradient buffers, plus reduced slices that are copies (between reduce and step)."""
-        flats = {t.untyped_storage().data_ptr() for t in self.flat_grads}
-        return super().grad_tensors() + [t for t in self.reduced.values()
+        flats = {t.untyped_storage().data_ptr() for t in self.grads.flats}
+        return list(self.grads.flats) + [t for t in self.reduced.values()
                                          if t.untyped_storage().data_ptr() not in flats]

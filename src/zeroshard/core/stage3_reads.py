@@ -55,9 +55,11 @@ class WatchedParameters(dict):
 class ParameterReads:
     """The forward stack of a stage-3 model and the external parameters found on it."""
 
-    def __init__(self, stage, model: nn.Module):
-        """`stage`: the Stage3 policy (its layout, `active` counts, `unshard`, `schedule`)."""
+    def __init__(self, stage, model: nn.Module, in_backward):
+        """`stage`: stage 3's parameter gatherer (`param_gatherer.py`: its layout, `active`
+        counts, `unshard`, `schedule`); `in_backward()`: whether the policy's backward runs."""
         self.stage = stage
+        self.in_backward = in_backward
         self.unit_of = {id(p): index for index in stage.sharded
                         for p in stage.by_index[index].params()}
         #: Hooked modules whose forward is running, innermost last.
@@ -94,7 +96,7 @@ class ParameterReads:
     # -- the forward stack -------------------------------------------------------------------------
     def push(self, module: nn.Module, is_root: bool) -> None:
         """`module`'s forward starts (the root's, outside backward, starts a new stack)."""
-        if is_root and torch._C._current_graph_task_id() == -1:
+        if is_root and not self.in_backward():
             self.stack.clear()  # a forward that raised left its modules behind
         self.stack.append(module)
 
@@ -135,7 +137,7 @@ class ParameterReads:
         layout.borrowed[id(module)] = [*layout.borrowed.get(id(module), ()), index]
         # Running now: held until this module's post-forward (which counts it down).
         stage.active[index] = stage.active.get(index, 0) + 1
-        if torch._C._current_graph_task_id() == -1:
+        if not self.in_backward():
             stage.schedule.demand([index])
         stage.unshard([index])
 

@@ -21,12 +21,13 @@ from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
 from .stage3 import Stage3
-from .strategies import Gather, Reduce
+from .strategies import Gather, Reduce, ReduceStrategy
+from .streams import Streams
 from .mics import ReplicaReduce
 from .zeropp.collectives import HostGroups
-from .zeropp.hpz import SecondaryGather
+from .zeropp.hpz import SecondaryGather, host_group_comm
 from .zeropp.qgz import HierarchicalReduce
-from .zeropp.qwz import QuantizedGather
+from .zeropp.qwz import Int8Weights
 
 POLICIES = {0: Stage0, 1: Stage1, 2: Stage2}
 
@@ -72,8 +73,8 @@ def owned_slices(units: list[Unit], stage: int, rank: int,
 
 
 def make_policy(units: list[Unit], comm: Comm, spec: StageSpec, *, module: nn.Module,
-                layout: Stage3Layout | None = None, store=None, syncs=None,
-                early=None, streams=None) -> StagePolicy:
+                streams: Streams, layout: Stage3Layout | None = None, store=None, syncs=None,
+                early=None) -> StagePolicy:
     """The stage policy `spec` describes; at stage 3 with its gather and reduce strategies."""
     common = dict(module=module, syncs=syncs, early=early, streams=streams)
     if spec.stage < 3:
@@ -85,13 +86,13 @@ def make_policy(units: list[Unit], comm: Comm, spec: StageSpec, *, module: nn.Mo
 def _gather(comm: Comm, spec: StageSpec) -> Gather:
     """Plain or qwZ; wrapped by hpZ when zero_hpz_partition_size > 1."""
     options = spec.stage3
-    gather = QuantizedGather(comm) if options.quantized_weights else Gather(comm)
-    if options.hpz_partition_size > 1:
-        gather = SecondaryGather(gather, options.hpz_partition_size)
+    gather = Gather(comm, codec=Int8Weights() if options.quantized_weights else None)
+    if options.hpz_partition_size > 1:  # the secondary group, declared once, here
+        gather = SecondaryGather(gather, host_group_comm(comm, options.hpz_partition_size))
     return gather
 
 
-def _reducer(comm: Comm, spec: StageSpec) -> Reduce:
+def _reducer(comm: Comm, spec: StageSpec) -> ReduceStrategy:
     """Plain or qgZ (where more than one host makes it change anything); wrapped by MiCS's
     replica all-reduce when the policy's Comm is a MiCS shard group."""
     options = spec.stage3

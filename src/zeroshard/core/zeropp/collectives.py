@@ -160,7 +160,10 @@ class HostGroups:
 class _HierarchicalReduceScatter:
     """Steps 1-2 of the module's qgZ plan start at once; `advance()` waits for them and starts
     step 3's exchange (stage 2/3 call it when the next unit launches, so the slow link's transfer
-    overlaps backward); `wait()` finishes step 3 (advancing first if nobody did)."""
+    overlaps backward); `wait()` finishes step 3 (advancing first if nobody did). A two-step
+    `strategies.ReduceHandle`."""
+
+    steps = 2
 
     def __init__(self, groups: HostGroups, full: torch.Tensor, unit=None,
                  plan: BlockPlan | None = None):

@@ -40,8 +40,7 @@ from ...dist import Comm
 from ...config.refusals import HPZ_KEY
 from ..groups import blocks, split
 from ..layout import Unit
-from ..strategies import Gather
-from .collectives import packed_all_gather
+from ..strategies import Gather, GatherHandle
 
 
 def host_group_comm(comm: Comm, size: int) -> Comm:
@@ -64,38 +63,40 @@ class SecondaryGather(Gather):
     """hpZ around another gather: keeps this rank's 1/P slice of a unit between its forward and the
     step, and gathers the unit inside its P-rank group from it meanwhile."""
 
-    def __init__(self, inner: Gather, size: int):
-        super().__init__(inner.comm)
+    def __init__(self, inner: Gather, host_comm: Comm):
+        """`host_comm`: this rank's secondary group (`host_group_comm`, made once by the
+        builder); P is its size."""
+        super().__init__(inner.comm, inner.codec)
         self.inner = inner
-        self.hpz = size
-        self.host_comm = host_group_comm(inner.comm, size)
+        self.host_comm = host_comm
+        self.hpz = host_comm.world_size
         #: unit index -> this rank's 1/P slice of the unit's current full buffer.
         self.secondary: dict[int, torch.Tensor] = {}
-        #: units whose secondary shard holds qwZ's int8 rows (`collectives.py`), not weights.
+        #: units whose secondary shard holds the codec's encoded rows, not weights.
         self.secondary_lossy: set[int] = set()
-        #: unit index -> its lossy (qwZ) gather in flight or done, whose packed rows stay readable
+        #: unit index -> its lossy gather in flight or done, whose encoded rows stay readable
         #: while the unit is gathered.
-        self.packed: dict[int, object] = {}
+        self.packed: dict[int, GatherHandle] = {}
 
     def secondary_bounds(self, unit: Unit) -> tuple[int, int]:
         """`[start, end)` of this rank's secondary shard in the unit's flat buffer."""
         size = unit.padded_numel // self.hpz
         return self.host_comm.rank * size, (self.host_comm.rank + 1) * size
 
-    def start(self, flat: torch.Tensor, source: torch.Tensor, unit: Unit, exact: bool):
+    def start(self, flat: torch.Tensor, source: torch.Tensor, unit: Unit,
+              exact: bool) -> GatherHandle:
         """Inside the P-rank group from the secondary shard when there is one (and, for `exact`,
-        it holds weights, not int8 rows); otherwise the wrapped gather."""
+        it holds weights, not encoded rows); otherwise the wrapped gather."""
         secondary = self.secondary.get(unit.index)
         if secondary is None or (exact and unit.index in self.secondary_lossy):
-            handle, lossy = self.inner.start(flat, source, unit, exact)
-            if lossy:
+            handle = self.inner.start(flat, source, unit, exact)
+            if handle.lossy:
                 self.packed[unit.index] = handle
-            return handle, lossy
+            return handle
         if unit.index in self.secondary_lossy:  # the same decoded weights the forward used
-            handle = packed_all_gather(self.host_comm, flat, secondary, self.comm.world_size,
-                                       unit, self.inner.plan(unit))
-            return (_Done() if handle is None else handle), True
-        return self.host_comm.all_gather(flat, secondary, async_op=True, unit=unit), False
+            return self.codec.gather_rows(self.host_comm, flat, secondary,
+                                          self.comm.world_size, unit)
+        return GatherHandle(self.host_comm.all_gather(flat, secondary, async_op=True, unit=unit))
 
     def keep(self, unit: Unit, lossy: bool) -> None:
         """Copy this rank's secondary shard out of the gathered unit (no communication): under
@@ -105,17 +106,18 @@ class SecondaryGather(Gather):
         if index in self.secondary:
             return
         gather = self.packed.get(index)
-        if lossy and gather is not None and gather.rows_packed is not None:
-            rows = self.comm.world_size // self.hpz
+        rows = gather.packed_rows() if lossy and gather is not None else None
+        if rows is not None:
+            per_group = self.comm.world_size // self.hpz
             g = self.host_comm.rank
-            packed = gather.rows_packed.view(self.comm.world_size, -1)
-            self.secondary[index] = packed[g * rows:(g + 1) * rows].clone()
+            packed = rows.view(self.comm.world_size, -1)
+            self.secondary[index] = packed[g * per_group:(g + 1) * per_group].clone()
             self.secondary_lossy.add(index)
         else:
             self.secondary[index] = unit.flat[slice(*self.secondary_bounds(unit))].clone()
 
     def released(self, index: int) -> None:
-        """The unit's packed rows are no longer readable."""
+        """The unit's encoded rows are no longer readable."""
         self.packed.pop(index, None)
 
     def forget(self, index: int | None = None) -> None:
@@ -140,10 +142,3 @@ class SecondaryGather(Gather):
         self.forget()
         self.packed.clear()
         self.inner.close()
-
-
-class _Done:
-    """The handle of a gather that needed no communication (a group of one)."""
-
-    def wait(self) -> None:
-        """Nothing to wait for."""

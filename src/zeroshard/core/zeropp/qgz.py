@@ -11,21 +11,22 @@ from __future__ import annotations
 import torch
 
 from ..layout import Unit
-from ..strategies import Reduce
+from ..strategies import ReduceHandle, ReduceStrategy
 from .collectives import HostGroups, block_plan
 from .quantize import GRADIENT_BLOCK, BlockPlan
 
 
-class HierarchicalReduce(Reduce):
+class HierarchicalReduce(ReduceStrategy):
     """qgZ: the two-step reduction over a host's ranks, then across hosts in int8."""
 
     def __init__(self, groups: HostGroups):
-        super().__init__(None)
+        """`groups`: the host and cross-host groups the two steps run over."""
         self.groups = groups
         self.plans: dict[int, BlockPlan] = {}
 
-    def start(self, buffer: torch.Tensor, unit: Unit):
-        """Start the host step; the cross-host step starts on the handle's `advance()`."""
+    def start(self, buffer: torch.Tensor, unit: Unit) -> ReduceHandle:
+        """Start the host step; the cross-host step starts on the handle's `advance()` (a
+        two-step `ReduceHandle`)."""
         if unit.index not in self.plans:
             self.plans[unit.index] = block_plan(unit, GRADIENT_BLOCK)
         return self.groups.reduce_scatter(buffer, unit=unit, plan=self.plans[unit.index])

@@ -52,10 +52,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..dist import Comm
 from .stage3_reads import ParameterReads
-from . import generation
-from .guards import guard_pickling, guard_state_dict
+from . import extensions
 from .layout import StoragePool, Unit, ZeroParamStatus, set_status
 from .partition import Stage3Layout
+from .policy_view import Stage3View
 from .schedule import Schedule
 from .shard_store import ShardStore
 from .spec import StageSpec
@@ -242,9 +242,8 @@ class Stage3(Stage2):
         for unit in self.units:  # persistent units are whole; sharded ones are released
             if unit.index not in self.sharded:
                 set_status(unit, ZeroParamStatus.AVAILABLE)
-        self._guard_saving()
-        if self.module is not None:
-            generation.install(self.module, self)
+        # What layers above core add (compat/: DeepSpeed's attributes, save guards, generate).
+        self.extras = extensions.install(Stage3View(self))
         # Parameters used outside the modules that gather them are found as they are used.
         self.reads = ParameterReads(self, self.module) if self.module is not None else None
         for module in self.layout.modules:  # needs are looked up at each call: reads add some
@@ -254,15 +253,6 @@ class Stage3(Stage2):
             self.hooks.append(module.register_forward_hook(
                 lambda mod, args, kwargs, out, r=is_root:
                 self._post_forward(mod, out, (args, kwargs), r), with_kwargs=True))
-
-    def _guard_saving(self) -> None:
-        """torch.save of released parameters raises, state_dict() warns (guards.py)."""
-        sharded = {id(p) for i in self.sharded for p in self.by_index[i].params()}
-        for param in self.module.parameters():
-            if id(param) in sharded:
-                guard_pickling(param)
-        for module in self.module.modules():
-            self.hooks.append(guard_state_dict(module))
 
     @_eager_hook
     def _pre_forward(self, module: torch.nn.Module, is_root: bool) -> None:
@@ -480,8 +470,7 @@ class Stage3(Stage2):
         module works on its own again; without it the parameters stay empty (no full model in
         memory, e.g. one that fits only because its shards were on NVMe)."""
         super().close()
-        if self.module is not None:
-            generation.uninstall(self.module)
+        self.extras.remove()
         if self.reads is not None:
             self.reads.close()
         for index in sorted(self.sharded):

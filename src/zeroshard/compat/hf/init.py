@@ -177,7 +177,8 @@ def attach_stage3_methods(model: nn.Module) -> None:
 def generate_gathered(model: nn.Module, generate, *args, **kwargs):
     """`generate` on a model built partitioned and not yet wrapped: there are no per-unit gathers
     before initialize(), so the model is gathered whole for the call. Once an engine manages it,
-    the engine's own stage-3 `generate` (compat/hf/generation.py, installed over this one) decides."""
+    the engine's own stage-3 `generate` (compat/hf/generation.py, installed over this one)
+    decides."""
     params = list(model.parameters())
     if any(is_managed(p) for p in params) or not any(hasattr(p, INIT_ATTR) for p in params):
         return generate(*args, **kwargs)

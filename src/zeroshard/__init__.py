@@ -51,14 +51,15 @@ register_library_hooks(_hf_init_hooks)
 
 
 def _deepspeed_surface():
-    """compat/deepspeed/surface.py, imported when core first needs it (a stage-3 engine or Init
-    unit): DeepSpeed's `ds_*` attributes, save guards and `parameter_offload`."""
+    """compat/deepspeed/surface.py, imported when core first announces something to its
+    extensions (a stage-3 engine or Init unit): DeepSpeed's `ds_*` attributes, save guards,
+    `ds_external_parameters` and `parameter_offload` (core/extensions.py)."""
     from .compat.deepspeed import surface
     return surface
 
 
 def _hf_generation():
-    """compat/hf/generation.py, imported when the first stage-3 engine is built: `generate`
+    """compat/hf/generation.py, imported with the one above: a stage-3 model's `generate` runs
     with the whole model gathered once while it fits."""
     from .compat.hf import generation
     return generation

@@ -3,7 +3,7 @@
 and the engine's model generate in turn (a barrier before each), and the figure is the median over
 the rounds of plain time / engine time, so both sides see the same machine load. Variants: stage 2
 (parameters whole); stage 3 built whole and built partitioned (the model gathered once per
-`generate` call while it fits in stage3_max_live_parameters, core/generation.py); stage 3 between
+`generate` call while it fits in stage3_max_live_parameters, compat/hf/generation.py); stage 3 between
 training steps (an AdamW engine taking one untimed step before each round, as a fine-tuning loop
 that generates between steps); stage 3 with the calls inside `engine.gathered_model()` (one gather
 for all, held by the caller); stage 3 over the budget (each decode step gathers).

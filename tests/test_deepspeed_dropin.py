@@ -145,7 +145,7 @@ def _callers(rank):
     import warnings
 
     import zeroshard as deepspeed
-    from zeroshard.core.guards import PartitionedStateError, PartitionedStateWarning
+    from zeroshard.compat.deepspeed.guards import PartitionedStateError, PartitionedStateWarning
     from tests.hf_assets import DS_ZERO3
 
     out = {}

@@ -41,7 +41,7 @@ CORE_LAYERS = {
     # Helpers every part uses: host memory, streams, host syncs, the owner registry, the
     # checkpoint key names, the process groups and their watchdog.
     "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync",
-             "step_check", "training_state"},
+             "step_check", "training_state", "extensions"},
     # The one layout: units, flat buffers, shards; stage 3's unit plan (also Init's) and the
     # units taking their memory at initialize() (materialize).
     "layout": {"layout", "leaf", "partition", "init_units", "materialize"},
@@ -51,7 +51,7 @@ CORE_LAYERS = {
     # The stage policies over the layout, and what only they use.
     "stages": {"spec", "reduction", "policy", "stage0", "stage1", "stage2", "stage3", "schedule",
                "grad_reducer", "param_gatherer", "stage3_hooks",
-               "generation", "guards", "shard_store", "stage3_views", "stage3_reads"},
+               "shard_store", "stage3_reads", "policy_view"},
     # Building a model partitioned (Init) and gathering it back (GatheredParameters).
     "construct": {"init", "gathered", "sanity"},
     # The sharded optimizer over a stage: its step, state dict, loss scaler, Muon, Lion.
@@ -146,6 +146,42 @@ def test_the_core_layer_check_finds_an_upward_import(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: graph)
     with pytest.raises(AssertionError, match=r"layout \(layout\) -> optim \(optimizer\)"):
         test_core_imports_run_one_way()
+
+
+def _ds_attribute_writes(root: Path) -> list[str]:
+    """`file:line attr` of each `x.ds_*` assigned or deleted, and each `setattr` / `delattr` of a
+    `"ds_*"` name, in the Python files under `root`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                name = node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("setattr", "delattr") and len(node.args) >= 2 and \
+                    isinstance(node.args[1], ast.Constant):
+                name = node.args[1].value
+            if isinstance(name, str) and name.startswith("ds_"):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    return found
+
+
+def test_core_writes_no_deepspeed_attributes():
+    """DeepSpeed's `ds_*` attributes are compat/deepspeed/surface.py's to write (through
+    core/extensions.py); core holds ZeRO's mechanics only."""
+    found = _ds_attribute_writes(PACKAGE / "core")
+    assert not found, "core writes DeepSpeed attributes: " + ", ".join(found)
+
+
+def test_the_ds_attribute_check_finds_writes(tmp_path):
+    """The scan can fail: an assignment, a deletion and a setattr are found, a read is not."""
+    (tmp_path / "probe.py").write_text(
+        "p.ds_status = 1\ndel p.ds_tensor\nsetattr(p, 'ds_id', 2)\nq = p.ds_shape\n")
+    assert _ds_attribute_writes(tmp_path) == ["probe.py:1 ds_status", "probe.py:2 ds_tensor",
+                                              "probe.py:3 ds_id"]
+    # ... and compat's surface, which writes them, is seen by the same scan.
+    assert any(f.startswith("deepspeed/surface.py:")
+               for f in _ds_attribute_writes(PACKAGE / "compat"))
 
 
 def test_imports_run_one_way():

@@ -14,6 +14,7 @@ from .build import initialize, is_initialized, prepare
 from .engine import Engine
 from .core.gathered import GatheredParameters
 from .core.init import Init, load_full_state_dict, register_library_hooks
+from .core.extensions import register as _register_extension
 from .core.agreement import RankMismatchError
 from .core.desync import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
@@ -47,6 +48,25 @@ def _hf_init_hooks():
 
 
 register_library_hooks(_hf_init_hooks)
+
+
+def _deepspeed_surface():
+    """compat/deepspeed/surface.py, imported when core first announces something to its
+    extensions (a stage-3 engine or Init unit): DeepSpeed's `ds_*` attributes, save guards,
+    `ds_external_parameters` and `parameter_offload` (core/extensions.py)."""
+    from .compat.deepspeed import surface
+    return surface
+
+
+def _hf_generation():
+    """compat/hf/generation.py, imported with the one above: a stage-3 model's `generate` runs
+    with the whole model gathered once while it fits."""
+    from .compat.hf import generation
+    return generation
+
+
+_register_extension(_deepspeed_surface)
+_register_extension(_hf_generation)
 
 
 def __getattr__(name):

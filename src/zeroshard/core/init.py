@@ -40,7 +40,7 @@ from .hostmem import return_freed_memory
 # init_units, take_full and gather_init_units are re-exported (their users import them from here).
 from .init_units import (gather_init_units, init_units, partition_parameter,  # noqa: F401
                          take_full)
-from .layout import INIT_ATTR
+from .layout import INIT_ATTR, full_shape
 from .owners import is_managed, owner_of
 from .sanity import check_in_place_writes
 
@@ -306,6 +306,14 @@ def init_active() -> bool:
 
 
 @torch.no_grad()
+def _real_shape(param: nn.Parameter) -> torch.Size:
+    """`param`'s shape in the whole model, also while a stage-3 engine or Init keeps it sharded."""
+    owner = owner_of(param)
+    if owner is None:
+        return full_shape(param)
+    return next(s.shape for s in owner.unit.slots if s.param is param)
+
+
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load a full (unsharded) state dict into a model trained by zeroshard at any stage.
 
@@ -319,10 +327,11 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
         raise KeyError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys "
                        f"{unexpected[:8]}; nothing was loaded")
     for name, param in model.named_parameters():
-        if tuple(state_dict[name].shape) != tuple(getattr(param, "ds_shape", param.shape)):
+        shape = _real_shape(param)
+        if tuple(state_dict[name].shape) != tuple(shape):
             raise ValueError(f"load_full_state_dict: {name} has shape "
                              f"{tuple(state_dict[name].shape)} in the state dict but "
-                             f"{tuple(param.shape)} in the model; nothing was loaded")
+                             f"{tuple(shape)} in the model; nothing was loaded")
     done = set()
     for param in model.parameters():
         engine_owner = owner_of(param)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..dist import Comm, default_device
+from . import extensions
 from .hostmem import mark_cpu_as_host, return_freed_memory, to_device
 from .layout import INIT_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
 
@@ -21,8 +22,9 @@ def partition_parameter(param: nn.Parameter, name: str, owner: str, comm: Comm,
 
     The parameter is copied to the compute device (a no-op when it was built there or the device
     is the CPU), rank 0's values are broadcast into that copy, the slice is copied out, and every
-    full-size copy is dropped. Like DeepSpeed's, the parameter then has `ds_tensor`, this rank's
-    slice (1-D, padded), until an engine takes it over.
+    full-size copy is dropped. The slice (1-D, padded) is announced to what is installed on
+    top of core (extensions.py: compat/deepspeed shows it as DeepSpeed's `ds_tensor`) until an
+    engine takes the parameter over.
     """
     numel = param.numel()
     kept_dtype = dtype if dtype is not None and param.is_floating_point() else param.dtype
@@ -40,15 +42,14 @@ def partition_parameter(param: nn.Parameter, name: str, owner: str, comm: Comm,
     del data
     unit.release()
     setattr(param, INIT_ATTR, (unit, comm))
-    param.ds_tensor = unit.shard
+    extensions.construction_slice(param, unit.shard)
 
 
 def leave_init_unit(param: nn.Parameter) -> None:
     """Forget `param`'s construction unit (an engine or whole storage takes over): its slice
-    goes with the last reference, `ds_tensor` included."""
+    goes with the last reference (the extensions are told to drop theirs)."""
     delattr(param, INIT_ATTR)
-    if hasattr(param, "ds_tensor"):
-        del param.ds_tensor
+    extensions.construction_slice(param, None)
 
 
 def partition_new_parameters(model: nn.Module) -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import extensions
+
 # A unit is at most this fraction of the trainable parameters (but never below MIN_UNIT_NUMEL):
 # at stage 2 a unit-sized gradient buffer is filled while the previous one is reduce-scattered, so
 # with DeepSpeed's default bucket (5e8 elements, more than most models) a single whole-model unit
@@ -36,27 +38,21 @@ INIT_ATTR = "_zeroshard_init_unit"
 
 
 class ZeroParamStatus(enum.Enum):
-    """A stage-3 parameter's `ds_status` (DeepSpeed's names, read by Hugging Face and trl)."""
+    """Where a stage-3 unit's parameters are (DeepSpeed's names: compat/deepspeed shows it on each
+    parameter as `ds_status`)."""
 
     AVAILABLE = 1
     """Whole on this rank (gathered, or a persistent small parameter)."""
     NOT_AVAILABLE = 2
-    """Released: an empty tensor; `ds_shape` / `ds_numel` give its real size."""
+    """Released: empty tensors; the unit's slots keep their real shapes."""
     INFLIGHT = 3
     """Its all-gather has been issued and not yet waited for."""
 
 
 def set_status(unit: "Unit", status: ZeroParamStatus) -> None:
-    """Record `status` (and the real sizes) on every parameter of `unit`."""
-    for slot in unit.slots:
-        if not hasattr(slot.param, "ds_id"):
-            # DeepSpeed's marker of a ZeRO-3 parameter: Hugging Face, TRL and DeepSpeed-Chat
-            # gather only the parameters that have one. Unique while the parameter lives.
-            slot.param.ds_id = id(slot.param)
-            slot.param.ds_active_sub_modules = set()  # TRL clears it around generation
-        slot.param.ds_status = status
-        slot.param.ds_shape = slot.shape
-        slot.param.ds_numel = slot.numel
+    """Announce that `unit`'s parameters are now `status` (to what is installed on top of core,
+    extensions.py; core itself keeps no per-parameter status)."""
+    extensions.unit_status(unit, status)
 
 
 #: The attribute through which torch.compile's OptimizedModule holds the module it wraps.
@@ -76,14 +72,24 @@ def plain_named(pairs):
     return ((plain_name(name), value) for name, value in pairs)
 
 
+def _construction_slot(param: nn.Parameter) -> "Slot | None":
+    """`param`'s slot in its construction unit (zeroshard.Init), or None when it has none."""
+    owner = getattr(param, INIT_ATTR, None)
+    if owner is None:
+        return None
+    return next(s for s in owner[0].slots if s.param is param)
+
+
 def full_shape(param: nn.Parameter) -> torch.Size:
-    """A parameter's real shape, also while it is partitioned at construction (`ds_shape`)."""
-    return param.ds_shape if hasattr(param, INIT_ATTR) else param.shape
+    """A parameter's real shape, also while it is partitioned at construction."""
+    slot = _construction_slot(param)
+    return slot.shape if slot is not None else param.shape
 
 
 def full_numel(param: nn.Parameter) -> int:
     """A parameter's real number of elements, also while it is partitioned at construction."""
-    return param.ds_numel if hasattr(param, INIT_ATTR) else param.numel()
+    slot = _construction_slot(param)
+    return slot.numel if slot is not None else param.numel()
 
 
 @dataclass
@@ -208,7 +214,7 @@ class Unit:
 
         The storage object itself stays: views of it that autograd saved in forward see the data
         again once the unit is gathered for backward. The parameters are re-pointed at an empty
-        tensor (shape in `ds_shape`), so touching one while released is an ordinary error.
+        tensor (real shape in its slot), so touching one while released is an ordinary error.
 
         With `detach` (the end of a GatheredParameters context) the unit lets go of the buffer
         instead of emptying it: a tensor the user kept from inside the context (`p.data.cpu()`

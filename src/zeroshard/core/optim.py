@@ -33,7 +33,7 @@ from torch import nn
 
 from ..dist import Comm, default_device
 from .hostmem import host_empty, host_region, is_host, to_device
-from .stage3_views import ParameterOffloadView
+from . import extensions
 from .hostsync import HostSyncs
 from .layout import Unit
 from .owners import forget, register
@@ -92,7 +92,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #: The unclipped global gradient norm of the last applied step, as a device tensor.
         self.grad_norm: torch.Tensor | None = None
         self.step_applied = False
-        self._parameter_offload = None
         #: Host synchronization points of the step, counted by reason (shared with the parts).
         self.syncs = syncs
         self.steps = 0
@@ -147,12 +146,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The trained units, then stage 3's frozen ones."""
         return [*self.units, *self.frozen_units]
 
-    @property
-    def parameter_offload(self):
-        """DeepSpeed's stage-3 hook owner, as TRL reads it (core/stage3_views.py)."""
-        if self._parameter_offload is None:
-            self._parameter_offload = ParameterOffloadView(self.model)
-        return self._parameter_offload
+    def __getattr__(self, name: str):
+        """Names the optimizer lacks, answered by what is installed on top of core
+        (extensions.py: compat/deepspeed's `parameter_offload`, which TRL reads)."""
+        if name.startswith("_"):  # torch's and Python's own probes: never an extension's
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return extensions.optimizer_attribute(self, name)
 
     def state_dict(self):
         """Refused: the optimizer state is sharded over ranks; it is saved and loaded whole by

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .layout import Slot, Unit, build_units, full_numel, full_shape, padded_size
-from .leaf import z3_leaf_module
+from .leaf import is_leaf
 
 #: Attribute on a module: {id(param): param} of other modules' parameters its forward uses
 #: directly (DeepSpeed's name and shape, which callers read).
@@ -66,6 +66,12 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     module.__dict__.setdefault(EXTERNAL_ATTR, {})[id(parameter)] = parameter
 
 
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The other modules' parameters `module`'s forward uses: registered, or found as they were
+    used (stage3_reads.py)."""
+    return list(module.__dict__.get(EXTERNAL_ATTR, {}).values())
+
+
 def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
@@ -73,7 +79,7 @@ def _has_params(module: nn.Module) -> bool:
 def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
     """The (name, module) pairs that become stage-3 units, in registration order: ("", model)
     alone when the root is a leaf module (utils: set_z3_leaf_modules), else never the root."""
-    if z3_leaf_module(model):
+    if is_leaf(model):
         return [("", model)]
     named = [(n, m) for n, m in model.named_modules() if n and not isinstance(m, CONTAINERS)]
     if class_names is not None:
@@ -100,7 +106,7 @@ def unit_modules(model: nn.Module, class_names: list[str] | None = None) -> list
     # (a ModuleList of experts) is never called itself: its children's reads gather it
     # (stage3_reads.py), all of it at once.
     every = [(n, m) for n, m in model.named_modules() if n]
-    chosen |= {n for n, m in every if z3_leaf_module(m)}
+    chosen |= {n for n, m in every if is_leaf(m)}
     # Keep only outermost chosen modules (a chosen module inside another is part of it).
     out = []
     for name, module in every:

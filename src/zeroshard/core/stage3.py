@@ -27,10 +27,10 @@ Communication plan, per micro-step (each collective names its unit to the desync
      all-gathered as at stage 2; sharded units need nothing (their next use gathers them).
 Total per micro-step: 3 x Psi x (N-1)/N, as in the ZeRO paper.
 Evaluation (a forward no backward follows) frees what it gathered when the root's forward returns.
-`generate()` (`generation.py`), while the model fits in stage3_max_live_parameters, gathers every
-unit once (`hold_all`: Psi x (N-1)/N per call, exact) and frees them on return (on the host,
-into the pool that training's gathers reuse too); meanwhile the forward hooks do nothing, so
-decode steps make no collective and no bookkeeping.
+`generate()` (`compat/hf/generation.py`, installed through `extensions.py`), while the model
+fits in stage3_max_live_parameters, gathers every unit once (`hold_all`: Psi x (N-1)/N per call,
+exact) and frees them on return (on the host, into the pool that training's gathers reuse too);
+meanwhile the forward hooks do nothing, so decode steps make no collective and no bookkeeping.
 
 How a unit is gathered and how its gradient is reduced are strategies the policy is built with
 (`strategies.py`; composed in `stages.py`): plain, or ZeRO++'s (`zeropp/`), or MiCS's (`mics.py`).
@@ -51,12 +51,12 @@ from functools import partial
 import torch
 
 from ..dist import Comm
-from . import generation
+from . import extensions
 from .grad_reducer import GradReducer
-from .guards import guard_pickling, guard_state_dict
 from .layout import Unit
 from .param_gatherer import ParamGatherer
 from .partition import Stage3Layout
+from .policy_view import Stage3View
 from .policy import StagePolicy, eager_hook
 from .shard_store import ShardStore
 from .spec import StageSpec
@@ -97,6 +97,8 @@ class Stage3(StagePolicy):
         self.gather, self.reducer = gather, reducer
         self.gathered_pool = self.params.gathered_pool
         self.module_hooks = None
+        # What layers above core add (compat/: DeepSpeed's attributes, save guards, generate).
+        self.extras = extensions.install(Stage3View(self))
         if spec.keeps_gradients:
             if module is not None:
                 self.hooks.append(module.register_forward_hook(self._hook_outputs))
@@ -107,19 +109,8 @@ class Stage3(StagePolicy):
                         partial(self._on_grad_ready, unit, position)))
         if module is None:
             return
-        self._guard_saving()
-        generation.install(module, self)
         self.module_hooks = ModuleHooks(self.params, self.state, layout, module,
                                         spec.keeps_gradients, self.hooks)
-
-    def _guard_saving(self) -> None:
-        """torch.save of released parameters raises, state_dict() warns (guards.py)."""
-        sharded = {id(p) for i in self.sharded for p in self.by_index[i].params()}
-        for param in self.module.parameters():
-            if id(param) in sharded:
-                guard_pickling(param)
-        for module in self.module.modules():
-            self.hooks.append(guard_state_dict(module))
 
     # -- ownership -----------------------------------------------------------------------------
     def owned_param(self, unit: Unit) -> torch.Tensor:
@@ -279,8 +270,7 @@ class Stage3(StagePolicy):
         module works on its own again; without it the parameters stay empty (no full model in
         memory, e.g. one that fits only because its shards were on NVMe)."""
         super().close()
-        if self.module is not None:
-            generation.uninstall(self.module)
+        self.extras.remove()
         if self.module_hooks is not None:
             self.module_hooks.close()
         try:

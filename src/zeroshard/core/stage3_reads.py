@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from .partition import EXTERNAL_ATTR, register_external_parameter
-from .stage3_views import add_external_parameters_method
 
 
 class WatchedParameters(dict):
@@ -69,8 +68,7 @@ class ParameterReads:
 
     def adopt(self, model: nn.Module) -> None:
         """Watch every module of `model` holding sharded parameters, and give each module
-        `_external_params` and `ds_external_parameters()` (what callers read to see what a
-        module uses from outside it).
+        `_external_params` (what callers read to see what a module uses from outside it).
         Run again at each step's start: a module attached after `initialize()` that holds one
         (a new head tied to the embedding) is watched from its first forward on."""
         for module in model.modules():
@@ -83,7 +81,6 @@ class ParameterReads:
                 self.watched.append(module)
             if EXTERNAL_ATTR not in module.__dict__:
                 module.__dict__[EXTERNAL_ATTR] = {}
-            add_external_parameters_method(module)
 
     def close(self) -> None:
         """Give every watched module a plain `_parameters` dict again."""

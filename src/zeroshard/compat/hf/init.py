@@ -33,7 +33,7 @@ from torch import nn
 
 from ...core.gathered import GatheredParameters
 from ...core.init_units import leave_init_unit, partition_new_parameters
-from ...core.layout import INIT_ATTR, ZeroParamStatus, set_status
+from ...core.layout import INIT_ATTR, ZeroParamStatus, full_shape, set_status
 from ...core.owners import is_managed
 
 HF_FLAG = "_is_hf_initialized"
@@ -177,7 +177,8 @@ def attach_stage3_methods(model: nn.Module) -> None:
 def generate_gathered(model: nn.Module, generate, *args, **kwargs):
     """`generate` on a model built partitioned and not yet wrapped: there are no per-unit gathers
     before initialize(), so the model is gathered whole for the call. Once an engine manages it,
-    the engine's own stage-3 `generate` (core/generation.py, installed over this one) decides."""
+    the engine's own stage-3 `generate` (compat/hf/generation.py, installed over this one)
+    decides."""
     params = list(model.parameters())
     if any(is_managed(p) for p in params) or not any(hasattr(p, INIT_ATTR) for p in params):
         return generate(*args, **kwargs)
@@ -201,7 +202,7 @@ def resize_partitioned(model: nn.Module, resize, *args, **kwargs):
         # transformers swaps the resized values into the old embedding parameter (`.data`):
         # keep them from the release below, which would empty that parameter again.
         resized = {id(p): p.data for p in embeddings
-                   if hasattr(p, INIT_ATTR) and tuple(p.shape) != tuple(p.ds_shape)}
+                   if hasattr(p, INIT_ATTR) and tuple(p.shape) != tuple(full_shape(p))}
     for param in embeddings:
         if id(param) in resized:
             leave_init_unit(param)

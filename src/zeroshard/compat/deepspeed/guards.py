@@ -1,4 +1,4 @@
-"""What a partitioned stage-3 parameter refuses to do silently.
+"""What a partitioned stage-3 parameter refuses to do silently (installed by surface.py).
 
 Between gathers a stage-3 parameter is an empty tensor (its real size is in `ds_shape`). Two
 ordinary PyTorch calls would then write something that does not load, without a word:
@@ -23,7 +23,7 @@ import weakref
 
 from torch import nn
 
-from .layout import ZeroParamStatus
+from ...core.layout import ZeroParamStatus
 
 _HOW = ("gather them first: read inside `with zeroshard.GatheredParameters(model.parameters()):` "
         "(DeepSpeed: deepspeed.zero.GatheredParameters) on every rank, or call "

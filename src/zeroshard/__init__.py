@@ -15,7 +15,7 @@ from .engine import Engine
 from .core.gathered import GatheredParameters
 from .core.init import Init, load_full_state_dict, register_library_hooks
 from .core.agreement import RankMismatchError
-from .core.desync import DesyncError
+from .dist.steps import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
 from .core.scaler import LossScaleError
 

@@ -27,10 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..core.hostmem import host_region
+from ..dist.hostmem import host_region
 from ..core.keys import buffer_key, frozen_key, model_key
 from ..core.layout import plain_named
-from ..dist.process_group import describe_step_counts, step_counts
+from ..dist.steps import describe_step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         release_directory, remove_leftovers, write_file, writer_id)
 from .names import CLIENT, CONFIG, FORMAT, LATEST, META, quiet_dcp, sampler_of
@@ -246,7 +246,7 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
     gloo their collectives do not pair and the watchdog reports it first; NCCL has no tags).
     Returns every rank's view."""
     views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer,
-                                    step_counts()))
+                                    comm.steps.counts()))
     problems = []
     for index, what in ((0, "save_dir"), (1, "tag")):
         by_value: dict[str, list[int]] = {}

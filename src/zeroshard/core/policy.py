@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from ..dist import Comm, wait_all
 from .layout import Unit
 from .spec import StageSpec
-from .streams import Streams
+from ..dist.streams import Streams
 
 # Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the
 # next unit). Each one pins a unit-sized gradient buffer and (N-1)/N of it in receive buffers.

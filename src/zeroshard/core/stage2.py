@@ -22,7 +22,7 @@ Communication plan, per micro-step and per optimizer step:
      gradient shards live in CPU memory: each unit's reduced slice is copied there as it lands
      in step 3, while backward goes on.
 
-Streams (`streams.py`; on CPU none of this exists and everything runs in program order): on an
+Streams (`dist/streams.py`; on CPU none of this exists and everything runs in program order): on an
 accelerator each landing (the wait for the reduce-scatter, the divide-and-add into the shard, or
 under optimizer offload a non-blocking copy into a pinned landing buffer) runs on a side stream
 "reduce", after an event of the compute stream; a recycled block is reused by the compute stream
@@ -41,7 +41,7 @@ from functools import partial
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .hostmem import host_empty, host_region, host_zeros, to_host
+from ..dist.hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
 from .policy import MAX_IN_FLIGHT, StagePolicy, eager_hook
 

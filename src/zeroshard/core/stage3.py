@@ -7,7 +7,7 @@ parameters hold empty tensors (real sizes in `ds_shape` / `ds_numel`; names are 
 whole on every rank and follow stage 2.
 
 Communication plan, per micro-step (each collective names its unit to the desync watchdog,
-`desync.py`, which costs nothing unless a collective gets stuck):
+`dist/watchdog.py`, which costs nothing unless a collective gets stuck):
   1. forward: a unit module's pre-hook all-gathers the units it needs (`unshard`) and prefetches
      the next ones in the recorded order (`schedule.py`); its post-hook frees them (`reshard`)
      unless they are needed again soon (`stage3_max_reuse_distance`). Parameters outside the

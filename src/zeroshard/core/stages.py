@@ -78,16 +78,17 @@ def make_policy(units: list[Unit], comm: Comm, spec: StageSpec, *, module: nn.Mo
     common = dict(module=module, syncs=syncs, early=early, streams=streams)
     if spec.stage < 3:
         return POLICIES[spec.stage](units, comm, spec, **common)
-    return Stage3(units, comm, spec, layout=layout, store=store, gather=_gather(comm, spec),
-                  reducer=_reducer(comm, spec), **common)
+    return Stage3(units, comm, spec, layout=layout, store=store,
+                  gather=_gather(comm, spec, streams), reducer=_reducer(comm, spec), **common)
 
 
-def _gather(comm: Comm, spec: StageSpec) -> Gather:
-    """Plain or qwZ; wrapped by hpZ when zero_hpz_partition_size > 1."""
+def _gather(comm: Comm, spec: StageSpec, streams) -> Gather:
+    """Plain or qwZ; wrapped by hpZ when zero_hpz_partition_size > 1 (qwZ's decodes told to the
+    step's `streams`)."""
     options = spec.stage3
-    gather = QuantizedGather(comm) if options.quantized_weights else Gather(comm)
+    gather = QuantizedGather(comm, streams) if options.quantized_weights else Gather(comm)
     if options.hpz_partition_size > 1:
-        gather = SecondaryGather(gather, options.hpz_partition_size)
+        gather = SecondaryGather(gather, options.hpz_partition_size, streams)
     return gather
 
 

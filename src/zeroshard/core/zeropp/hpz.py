@@ -38,7 +38,8 @@ import torch
 
 from ...dist import Comm
 from ...config.refusals import HPZ_KEY
-from ..groups import blocks, split
+from ...dist.groups import blocks, split
+from ...dist.streams import Streams
 from ..layout import Unit
 from ..strategies import Gather
 from .collectives import packed_all_gather
@@ -64,10 +65,12 @@ class SecondaryGather(Gather):
     """hpZ around another gather: keeps this rank's 1/P slice of a unit between its forward and the
     step, and gathers the unit inside its P-rank group from it meanwhile."""
 
-    def __init__(self, inner: Gather, size: int):
+    def __init__(self, inner: Gather, size: int, streams: Streams):
         super().__init__(inner.comm)
         self.inner = inner
         self.hpz = size
+        #: The step's side streams (decoding qwZ's rows gathered on the "gather" stream).
+        self.streams = streams
         self.host_comm = host_group_comm(inner.comm, size)
         #: unit index -> this rank's 1/P slice of the unit's current full buffer.
         self.secondary: dict[int, torch.Tensor] = {}
@@ -93,7 +96,7 @@ class SecondaryGather(Gather):
             return handle, lossy
         if unit.index in self.secondary_lossy:  # the same decoded weights the forward used
             handle = packed_all_gather(self.host_comm, flat, secondary, self.comm.world_size,
-                                       unit, self.inner.plan(unit))
+                                       unit, self.inner.plan(unit), streams=self.streams)
             return (_Done() if handle is None else handle), True
         return self.host_comm.all_gather(flat, secondary, async_op=True, unit=unit), False
 

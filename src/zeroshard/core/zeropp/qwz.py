@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...dist import Comm
+from ...dist.streams import Streams
 from ..layout import Unit
 from ..strategies import Gather
 from .collectives import block_plan, quantized_all_gather
@@ -22,8 +23,10 @@ from .quantize import WEIGHT_BLOCK, BlockPlan
 class QuantizedGather(Gather):
     """qwZ: int8 all-gathers of the sharded units, exact where asked."""
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm: Comm, streams: Streams):
         super().__init__(comm)
+        #: The step's side streams (the decode reads rows gathered on the "gather" stream).
+        self.streams = streams
         self.plans: dict[int, BlockPlan] = {}
 
     def plan(self, unit: Unit) -> BlockPlan:
@@ -37,4 +40,4 @@ class QuantizedGather(Gather):
         if exact or self.comm.world_size == 1:
             return super().start(flat, source, unit, exact)
         return quantized_all_gather(self.comm, flat, source, async_op=True, unit=unit,
-                                    plan=self.plan(unit)), True
+                                    plan=self.plan(unit), streams=self.streams), True

@@ -242,8 +242,8 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
     """Before anything is written, every rank learns every rank's save_dir, tag and client_state
     verdict (and rank 0's ownership of the directory); all raise if they differ, so no rank
     leaves a half checkpoint that `latest` would name (DeepSpeed's tutorial uses
-    `ckpt_id = loss.item()`, which differs per rank), nor one from ranks at different steps (on
-    gloo their collectives do not pair and the watchdog reports it first; NCCL has no tags).
+    `ckpt_id = loss.item()`, which differs per rank), nor one from ranks at different steps
+    (each rank's step counts travel in this exchange).
     Returns every rank's view."""
     views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer,
                                     comm.steps.counts()))

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..dist.hostmem import host_region
 from ..core.keys import buffer_key, frozen_key, model_key
 from ..core.layout import plain_named
+from ..dist.process_group import step_counts
 from ..dist.steps import describe_step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         release_directory, remove_leftovers, write_file, writer_id)
@@ -246,7 +247,7 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
     (each rank's step counts travel in this exchange).
     Returns every rank's view."""
     views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer,
-                                    comm.steps.counts()))
+                                    step_counts()))
     problems = []
     for index, what in ((0, "save_dir"), (1, "tag")):
         by_value: dict[str, list[int]] = {}

@@ -253,7 +253,7 @@ def section_matrix(quick: bool) -> dict:
                         engine, *_ = zeroshard.initialize(model=small_gpt(), config=cfg)
                         engine.optimizer.syncs.reset()
                         cell["audit"] = sync_audit(lambda: train_step(engine, 0))
-                        # zeroshard's own counted host-sync points (core/hostsync.py) in that step
+                        # zeroshard's own counted host-sync points (dist/hostsync.py) in that step
                         cell["audit"]["counted"] = dict(engine.optimizer.syncs.counts)
                         engine.save_checkpoint(os.path.join(tmp, "ckpt"))
                         masters = from_checkpoint(os.path.join(tmp, "ckpt"))  # fp32

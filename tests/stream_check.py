@@ -1,7 +1,7 @@
 """A recording stand-in for the step's side streams, with an ordering checker, so the accelerator
 code paths (`if streams.active`) run on CPU and a missing wait or a wrong order fails a test.
 
-`RecordingStreams` replaces `zeroshard.core.streams.Streams` (build.py makes the engine's one
+`RecordingStreams` replaces `zeroshard.dist.streams.Streams` (build.py makes the engine's one
 instance): it claims to be active, keeps a current stream ("compute" or a side stream inside
 `on(name)`) and models each stream as a vector clock. `OrderChecker`, a dispatch mode, sees every
 operator the main thread runs and attributes it to the current stream; collectives (c10d
@@ -42,6 +42,9 @@ class OrderChecker(TorchDispatchMode):
         #: operators of one collective, e.g. its sends and receives, share it).
         self.issuing: str | None = None
         self.collectives = 0
+        #: (stream that last wrote it, stream reading it) of each tensor handed to
+        #: `Streams.keep_until_used` (memory made on one stream, dropped after another reads it).
+        self.kept: list[tuple[str | None, str]] = []
 
     # -- clocks ----------------------------------------------------------------------------------
     def clock(self, stream: str) -> dict[str, int]:
@@ -184,7 +187,7 @@ class FakeEvent:
 
 def recording_streams(checker: OrderChecker):
     """A `Streams` class whose instances record into `checker` (active on CPU)."""
-    from zeroshard.core.streams import STEP_STREAMS, Streams
+    from zeroshard.dist.streams import STEP_STREAMS, Streams
 
     class RecordingStreams(Streams):
         def __init__(self, device: torch.device, names: tuple[str, ...] = STEP_STREAMS):
@@ -199,6 +202,10 @@ def recording_streams(checker: OrderChecker):
             if event is not None:
                 checker.merge(stream.name if stream is not None else checker.current,
                               event.covered)
+
+        def keep_until_used(self, tensor: torch.Tensor) -> None:
+            last = checker.writes.get(_key(tensor))
+            checker.kept.append((last[0] if last is not None else None, checker.current))
 
         @contextlib.contextmanager
         def on(self, name: str):

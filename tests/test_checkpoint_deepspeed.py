@@ -65,7 +65,7 @@ def _engine(case, stage, world, seed=99, **overrides):
 def _state(engine):
     """Every parameter's whole fp32 master and optimizer state, gathered from the shards (as
     make_ckpt_v1.full_state, with offloaded shards copied to the compute device first)."""
-    from zeroshard.core.hostmem import to_device
+    from zeroshard.dist.hostmem import to_device
 
     opt = engine.optimizer
     masters, optim = {}, {}

@@ -145,13 +145,15 @@ def test_the_preemption_example_saves_at_one_step_exits_0_and_resumes(tmp_path):
     assert f"resumed at step {saved}" in again.stdout, again.stdout
 
 
-# One rank skips engine.step() once; the script ends as many do, with destroy_process_group().
+# One rank skips engine.step() once; the script ends as many do, with destroy_process_group(),
+# called through torch.distributed or through a name bound before zeroshard was imported.
 SKIPPER = textwrap.dedent("""
     import hashlib, sys
     import torch, torch.distributed as dist
+    from torch.distributed import destroy_process_group
     import zeroshard
 
-    stage, skip_at = int(sys.argv[1]), int(sys.argv[2])
+    stage, skip_at, bound = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "bound"
     zeroshard.init_distributed()
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -168,24 +170,28 @@ SKIPPER = textwrap.dedent("""
         print(f"rank {rank} finished step {step}", flush=True)
     weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     print(f"rank {rank} digest {hashlib.sha256(weights).hexdigest()[:12]}", flush=True)
-    dist.destroy_process_group()
+    (destroy_process_group if bound else dist.destroy_process_group)()
 """)
 
 
-@pytest.mark.parametrize("stage,skip_at", [(0, 1), (1, 1), (0, 3)])
+@pytest.mark.parametrize("stage,skip_at,name", [(0, 1, "dist"), (1, 1, "dist"), (0, 3, "dist"),
+                                                (0, 3, "bound")])
 def test_a_skipped_step_fails_the_job_even_when_the_script_destroys_the_group(tmp_path, stage,
-                                                                              skip_at):
+                                                                              skip_at, name):
     """Two ranks under `zeroshard run`, rank 1 skips engine.step() at iteration `skip_at`, the
-    script ends with dist.destroy_process_group(): the job fails with DesyncError. Mid-run the
-    step after the skip raises (stage 0: the counts in the gradient all-reduce; stage 1 on gloo:
-    the reduce-scatter's tags, the watchdog); after the last step, destroy_process_group()."""
+    script ends with destroy_process_group() (`name`: torch.distributed's, or the name the script
+    bound before importing zeroshard): the job fails with DesyncError. Mid-run the step after the
+    skip raises, from the counts in the gradient all-reduce (stage 0) or in the norm's all-reduce
+    (stage 1 on gloo too: its reduce-scatter's tags do not depend on the counts, so the exchanges
+    pair up and the counts meet; not the watchdog's timeout); after the last step,
+    destroy_process_group() under either name."""
     script = tmp_path / "skipper.py"
     script.write_text(SKIPPER)
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"),
                ZEROSHARD_QUIET="1", OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-m", "zeroshard.cli", "run", "--nproc-per-node", "2",
-                          str(script), str(stage), str(skip_at)], capture_output=True, text=True,
-                         timeout=300, env=env)
+                          str(script), str(stage), str(skip_at), name], capture_output=True,
+                         text=True, timeout=300, env=env)
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-3000:]
     assert "DesyncError" in out, out[-3000:]
@@ -196,5 +202,10 @@ def test_a_skipped_step_fails_the_job_even_when_the_script_destroys_the_group(tm
         assert len(digests) == 2, out[-3000:]
         assert "at destroy_process_group()" in out, out[-3000:]
         assert "rank 1: 3 optimizer steps after 4 backward passes" in out, out[-3000:]
-    else:  # within one step of the skip, on both ranks
+    else:  # within one step of the skip, on both ranks, by the counts (no watchdog timeout)
         assert "finished step 2" not in out and " digest " not in out, out[-3000:]
+        assert "this step was not applied" in out, out[-3000:]
+        assert "no collective completed within" not in out, out[-3000:]
+    if stage == 1:
+        assert "rank 0: 2 optimizer steps after 2 backward passes" in out, out[-3000:]
+        assert "rank 1: 2 optimizer steps after 3 backward passes" in out, out[-3000:]

@@ -1,4 +1,4 @@
-"""Host syncs in the step (core/hostsync.py): one training step (forward, backward, step) at stages
+"""Host syncs in the step (dist/hostsync.py): one training step (forward, backward, step) at stages
 0-3 reads exactly one value on the host, the overflow / non-finite flag, read after the whole step
 is queued; the gradient norm stays a tensor until asked for.
 

@@ -38,10 +38,10 @@ LAYERS = {
 # while they share one folder): a core module may import its own sub-layer or one below.
 CORE_ORDER = ["base", "layout", "strategies", "stages", "construct", "optimizer", "build"]
 CORE_LAYERS = {
-    # Helpers every part uses: host memory, streams, host syncs, the owner registry, the
-    # checkpoint key names, the process groups and their watchdog.
-    "base": {"", "hostmem", "streams", "hostsync", "owners", "keys", "groups", "desync",
-             "step_check", "training_state", "extensions"},
+    # Helpers every part uses: the owner registry, the checkpoint key names, the step-count
+    # check, the training state, the extensions registry (host memory, streams, host syncs,
+    # groups and the watchdog are dist/'s).
+    "base": {"", "owners", "keys", "step_check", "training_state", "extensions"},
     # The one layout: units, flat buffers, shards; stage 3's unit plan (also Init's) and the
     # units taking their memory at initialize() (materialize).
     "layout": {"layout", "leaf", "partition", "init_units", "materialize"},

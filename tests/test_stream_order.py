@@ -59,7 +59,8 @@ def _train(zero: dict, rank: int, gas: int = 2) -> dict[str, torch.Tensor]:
 
 
 def _checked(zero: dict, rank: int, breakage=None):
-    """(parameters, races, side streams used) of a run under recording streams."""
+    """(parameters, races, side streams used, `keep_until_used` calls) of a run under recording
+    streams."""
     checker = OrderChecker()
     with contextlib.ExitStack() as stack:
         stack.enter_context(checked_streams(checker))
@@ -67,7 +68,7 @@ def _checked(zero: dict, rank: int, breakage=None):
             stack.enter_context(breakage(checker))
         params = _train(zero, rank)
     used = {s for s, n in checker.ops.items() if n and s not in ("compute", "comm")}
-    return params, checker.races, used
+    return params, checker.races, used, checker.kept
 
 
 @contextlib.contextmanager
@@ -117,12 +118,12 @@ def _all(rank, world):
     out = {}
     for name, zero in CASES.items():
         want = _train(zero, rank)
-        got, races, used = _checked(zero, rank)
+        got, races, used, kept = _checked(zero, rank)
         out[name] = {"equal": all(torch.equal(want[n], got[n]) for n in want),
-                     "races": races[:5], "used": used}
-    _, races, _ = _checked(CASES["stage2"], rank, _drop_reduce_waits)
+                     "races": races[:5], "used": used, "kept": kept}
+    _, races, _, _ = _checked(CASES["stage2"], rank, _drop_reduce_waits)
     out["broken: reduce waits dropped"] = races[:5]
-    _, races, _ = _checked(CASES["stage3"], rank, _side_stream_not_ordered)
+    _, races, _, _ = _checked(CASES["stage3"], rank, _side_stream_not_ordered)
     out["broken: side stream not ordered"] = races[:5]
     return out
 
@@ -144,6 +145,18 @@ def test_side_streams_carry_work_in_order(results, case):
     for rank, got in enumerate(results):
         assert USES[case] <= got[case]["used"], (rank, case, got[case]["used"])
         assert not got[case]["races"], f"rank {rank}, {case}: {got[case]['races']}"
+
+
+def test_qwz_decodes_tell_the_streams_what_they_read_from_another_stream(results):
+    """qwZ's packed rows, gathered from the "gather" side stream and decoded on the compute
+    stream, go through `Streams.keep_until_used` (no `record_stream` behind the streams' back),
+    each one written by a collective and read on the compute stream; nothing else needs it."""
+    for rank, got in enumerate(results):
+        kept = got["stage3-qwz-hpz"]["kept"]
+        assert kept, f"rank {rank}: qwZ's decodes never went through the streams"
+        assert all(writer is not None and writer.startswith("comm#") and reader == "compute"
+                   for writer, reader in kept), (rank, kept[:5])
+        assert not any(got[case]["kept"] for case in CASES if "qwz" not in case), rank
 
 
 @pytest.mark.parametrize("broken", ["broken: reduce waits dropped",

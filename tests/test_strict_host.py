@@ -1,4 +1,4 @@
-"""Strict host mode (`core/hostmem.py`), on for the whole suite (`tests/conftest.py`): host memory
+"""Strict host mode (`dist/hostmem.py`), on for the whole suite (`tests/conftest.py`): host memory
 never reaches the default (NCCL-bound) process group and never meets device memory in the
 library's host-side code, as on a GPU machine. And what it catches:
 
@@ -34,7 +34,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard.dist import Comm, HostMemoryError
-from zeroshard.core import hostmem
+from zeroshard.dist import hostmem
 from tests.harness import run_world
 from tests.models import make_model
 from tests.test_offload import _config, _engine, _params, _rel, _train
@@ -97,7 +97,7 @@ FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "rand
 
 def test_every_factory_call_of_the_library_names_its_device():
     """`torch.zeros(1)` is CPU memory, i.e. host memory on a GPU machine: the library says where
-    each tensor goes (`device=...`), or allocates host memory through core/hostmem.py."""
+    each tensor goes (`device=...`), or allocates host memory through dist/hostmem.py."""
     root = Path(zeroshard.__file__).parent
     unnamed = []
     for part in PLACING:

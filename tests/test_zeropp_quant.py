@@ -292,11 +292,10 @@ def _hierarchical(rank, world):
     native = buffers[rank].clone()
     groups.reduce_scatter(native).wait()
     groups.destroy()
-    # Under a watched world Comm both groups are watched too, with its deadline (groups.py).
-    from zeroshard.core.desync import watch_collectives
+    # Under a watched world Comm both groups are watched too, with its deadline (dist/groups.py).
+    from zeroshard.dist.world import World
 
-    watched = Comm()
-    watch_collectives(watched, 30.0)
+    watched = World(desync_timeout_s=30.0).comm
     sides = HostGroups.for_comm(watched)
     watched_too = all(side.watch is not None and side.watch.timeout_s == 30.0
                       and side.bytes is watched.bytes for side in (sides.intra, sides.inter))

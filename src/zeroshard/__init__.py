@@ -16,7 +16,7 @@ from .core.gathered import GatheredParameters
 from .core.init import Init, load_full_state_dict, register_library_hooks
 from .core.extensions import register as _register_extension
 from .core.agreement import RankMismatchError
-from .core.desync import DesyncError
+from .dist.steps import DesyncError
 from .core.optim import NonFiniteGradientError, ZeroOptimizer
 from .core.scaler import LossScaleError
 

@@ -2,8 +2,9 @@
 `Engine` (engine.py) over a `ZeroOptimizer` (core/optim.py).
 
 Build order, each step handed what the previous ones made (no object is rewired afterwards):
-  1. the process group and the world's `Comm` (dist/), the config validated and its "auto" values
-     resolved (config/), refusals checked (config/refusals.py), the desync watchdog armed;
+  1. the process group (dist/), the config validated and its "auto" values resolved (config/),
+     refusals checked (config/refusals.py), then the engine's `World` (dist/world.py): the
+     world's Comm with its ledger and desync watchdog, and MiCS's groups when asked for;
   2. the torch optimizer (the user's instance, a factory, or the config's `optimizer` block);
   3. the `ZeroOptimizer`: units, the stage policy and the placement of masters and optimizer state
      (core/optim.py, from the stage and placement specs below);
@@ -21,17 +22,17 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist import Comm, default_device, init_distributed
+from .dist.world import World
 from .config.auto import resolve_auto
 from .config.refusals import (check_elementwise, check_hpz, check_mics, check_reduce_and_accumulate,
                               require_supported)
 from .config.schema import ZeroConfig, load_config, read_raw
 from .core.agreement import check_ranks_agree
-from .core.desync import watch_collectives
-from .core.hostmem import host_region, mark_cpu_as_host, to_device
+from .dist.hostmem import host_region, mark_cpu_as_host, to_device
 from .core.layout import INIT_ATTR
 from .core.sanity import check_in_place_writes
-from .core.hostsync import HostSyncs
-from .core.mics import mics_comms, sync_replicas
+from .dist.hostsync import HostSyncs
+from .core.mics import sync_replicas
 from .core.leaf import apply_leaf_module_config
 from .core.no_optimizer import NoPlacement, is_placeholder, make_no_placement, placeholder_optimizer
 from .core.muon_exchange import MuonExchange
@@ -40,7 +41,8 @@ from .core.reduction import Reduction, accumulation_dtype
 from .core.scaler import LossScaler
 from .core.spec import Stage3Options, StageSpec
 from .core.stages import lay_out, make_policy, owned_slices
-from .core.streams import Streams
+from .dist.streams import Streams
+from .dist.groups import blocks, strided
 from .dist.process_group import mark_engaged
 from .engine import Engine, _compute_dtype
 from .offload.placements import make_placement
@@ -99,15 +101,16 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     init_distributed()
-    comm = Comm()
+    world_size = dist.get_world_size()
     source = _resolve_config(config, args, config_params)
     if not isinstance(source, ZeroConfig):
-        source = resolve_auto(read_raw(source), model=model, world_size=comm.world_size,
+        source = resolve_auto(read_raw(source), model=model, world_size=world_size,
                               loader_batch=loader_batch, known=known)
-    cfg = source if isinstance(source, ZeroConfig) else load_config(source, comm.world_size)
+    cfg = source if isinstance(source, ZeroConfig) else load_config(source, world_size)
     require_supported(cfg)
     check_reduce_and_accumulate(cfg)
-    watch_collectives(comm, cfg.zero_optimization.zeroshard_desync_timeout)
+    world = World.build(cfg.zero_optimization.zeroshard_desync_timeout)
+    comm = world.comm
     check_ranks_agree(comm, model, cfg)  # before any collective whose sizes depend on the model
     device = default_device()
     dtype = _compute_dtype(cfg)
@@ -116,7 +119,7 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
     with host_region():
         for tensor in [*model.parameters(), *model.buffers()]:
             mark_cpu_as_host(tensor)  # strict mode: a model built on the CPU is in host memory
-        zopt = _make_zero_optimizer(model, torch_opt, comm, cfg, dtype, device)
+        zopt = _make_zero_optimizer(model, torch_opt, world, cfg, dtype, device)
         # The units are on the device now (stage 3: one at a time, never the whole model); the
         # rest follows: frozen parameters and buffers, in the compute dtype.
         _move_rest(model, zopt, device, dtype)
@@ -126,15 +129,16 @@ def _build(model: nn.Module, optimizer, model_parameters, config, lr_scheduler, 
     return engine, zopt, scheduler, cfg
 
 
-def _make_zero_optimizer(model: nn.Module, torch_opt, comm: Comm, cfg: ZeroConfig, dtype,
+def _make_zero_optimizer(model: nn.Module, torch_opt, world: World, cfg: ZeroConfig, dtype,
                          device: torch.device) -> ZeroOptimizer:
     """Units, then the placement (masters taken in full precision), then the cast, then the stage
     policy: each part built from what the earlier ones made, none rewired afterwards."""
+    comm = world.comm
     zero = cfg.zero_optimization
     check_hpz(zero.zero_hpz_partition_size, zero.stage, comm.world_size,
               zero.offload_param.device if zero.offload_param is not None else "none")
     check_elementwise(torch_opt)
-    opt_comm, replicas = _mics_groups(model, comm, cfg)
+    opt_comm, replicas = _mics_groups(model, world, cfg)
     scaler = LossScaler.from_config(cfg.fp16)
     syncs = HostSyncs()
     streams = Streams(device)  # the step's one owner of side streams and events
@@ -208,10 +212,12 @@ def _stage_spec(cfg: ZeroConfig, placement, units, dtype, replicas: Comm | None)
             mics_replicas=replicas))
 
 
-def _mics_groups(model: nn.Module, comm: Comm, cfg: ZeroConfig) -> tuple[Comm, Comm | None]:
-    """The optimizer's Comm and replica Comm: MiCS shard and replica groups when mics_shard_size
-    is set (core/mics.py), else the world's Comm and None."""
+def _mics_groups(model: nn.Module, world: World, cfg: ZeroConfig) -> tuple[Comm, Comm | None]:
+    """The optimizer's Comm and replica Comm: the World's MiCS shard group (consecutive ranks)
+    and replica group (the same position in every shard group) when mics_shard_size is set
+    (core/mics.py), else the world's Comm and None."""
     zero = cfg.zero_optimization
+    comm = world.comm
     if zero.mics_shard_size <= 0:
         return comm, None
     offload = any(o is not None and o.device != "none"
@@ -219,7 +225,8 @@ def _mics_groups(model: nn.Module, comm: Comm, cfg: ZeroConfig) -> tuple[Comm, C
     check_mics(zero.mics_shard_size, zero.stage, comm.world_size, zero.zero_hpz_partition_size,
                offload, any(hasattr(p, INIT_ATTR) for p in model.parameters()),
                zero.zero_quantized_weights or zero.zero_quantized_gradients)
-    return mics_comms(comm, zero.mics_shard_size)
+    size = zero.mics_shard_size
+    return world.split(blocks(comm.world_size, size)), world.split(strided(comm.world_size, size))
 
 
 def _reduction(cfg: ZeroConfig) -> Reduction:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..core.hostmem import byte_view
+from ..dist.hostmem import byte_view
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.hostmem import byte_view, host_empty
+from ..dist.hostmem import byte_view, host_empty
 from .safetensors_file import ST_DTYPES
 
 TORCH_DTYPES = {name: dtype for dtype, name in ST_DTYPES.items()}

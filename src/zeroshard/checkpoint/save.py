@@ -27,10 +27,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..core.hostmem import host_region
+from ..dist.hostmem import host_region
 from ..core.keys import buffer_key, frozen_key, model_key
 from ..core.layout import plain_named
-from ..dist.process_group import describe_step_counts, step_counts
+from ..dist.process_group import step_counts
+from ..dist.steps import describe_step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         release_directory, remove_leftovers, write_file, writer_id)
 from .names import CLIENT, CONFIG, FORMAT, LATEST, META, quiet_dcp, sampler_of
@@ -242,8 +243,8 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
     """Before anything is written, every rank learns every rank's save_dir, tag and client_state
     verdict (and rank 0's ownership of the directory); all raise if they differ, so no rank
     leaves a half checkpoint that `latest` would name (DeepSpeed's tutorial uses
-    `ckpt_id = loss.item()`, which differs per rank), nor one from ranks at different steps (on
-    gloo their collectives do not pair and the watchdog reports it first; NCCL has no tags).
+    `ckpt_id = loss.item()`, which differs per rank), nor one from ranks at different steps
+    (each rank's step counts travel in this exchange).
     Returns every rank's view."""
     views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer,
                                     step_counts()))

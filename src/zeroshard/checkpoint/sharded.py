@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..core.hostmem import host_region
+from ..dist.hostmem import host_region
 from ..core.keys import BUFFER, FROZEN, buffer_key, frozen_key, model_key, named
 from ..core.layout import plain_named
 from .directory import describe_failure

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .hostmem import host_region
+from ..dist.hostmem import host_region
 from .owners import owner_of
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import Comm, default_device
+from ..dist.world import World
 from .init_units import gather_init_units
 from .layout import INIT_ATTR, plain_name
 from .owners import owner_of
@@ -140,12 +141,13 @@ def _unit_of(param: nn.Parameter):
 
 
 def _comm_of(param: nn.Parameter) -> Comm:
-    """The engine's Comm for a managed parameter (so its comm ledger counts), else a plain one."""
+    """The engine's Comm for a managed parameter (so its comm ledger counts), Init's for one
+    partitioned at construction, else the current World's."""
     owner = owner_of(param)
     if owner is not None:
         return owner.world_comm  # under MiCS the optimizer's Comm is only its shard group
     owner = getattr(param, INIT_ATTR, None)
-    return owner[1] if owner is not None else Comm()
+    return owner[1] if owner is not None else World.current().comm
 
 
 def _refresh_masters(params: list[nn.Parameter]) -> None:

@@ -22,7 +22,7 @@ does the rest:
      launched (a parameter reused by a later reentrant-checkpoint backward) is reduced on its
      own, never carried over.
 
-Streams (`streams.py`; on CPU none of this exists and everything runs in program order): on an
+Streams (`dist/streams.py`; on CPU none of this exists and everything runs in program order): on an
 accelerator each landing runs on the side stream "reduce", after an event of the compute stream;
 a recycled block is reused by the compute stream only after the side stream's event, and buffers
 stay referenced until the end of backward, when the compute stream waits for the side stream
@@ -35,12 +35,12 @@ from collections import deque
 
 import torch
 
-from .hostmem import host_empty, host_region, host_zeros, to_host
+from ..dist.hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
 from .policy import MAX_IN_FLIGHT
 from .spec import StageSpec
 from .strategies import Reduce
-from .streams import Streams
+from ..dist.streams import Streams
 from .training_state import LaunchOrder
 
 

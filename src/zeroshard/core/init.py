@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import Comm, default_device, init_distributed
+from ..dist import default_device, init_distributed
 from ..dist.comm import computes_in_fp16
 from ..config.schema import load_config, read_raw
-from .hostmem import return_freed_memory
+from ..dist.hostmem import return_freed_memory
+from ..dist.world import World
 # init_units, take_full and gather_init_units are re-exported (their users import them from here).
 from .init_units import (gather_init_units, init_units, partition_parameter,  # noqa: F401
                          take_full)
@@ -137,7 +138,7 @@ class Init:
         self._building: list[list[nn.Module]] = []  # per constructor running: finished children
         self._versions: dict[int, int] = {}  # id(param) -> its version when partitioned
         if self.enabled:
-            self.comm = Comm()
+            self.comm = World.current().comm
             self.device = default_device()
             self._freed = 0  # host bytes freed since memory was last handed back
         if module is not None and self.enabled:

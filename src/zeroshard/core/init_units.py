@@ -11,7 +11,8 @@ from torch import nn
 
 from ..dist import Comm, default_device
 from . import extensions
-from .hostmem import mark_cpu_as_host, return_freed_memory, to_device
+from ..dist.hostmem import mark_cpu_as_host, return_freed_memory, to_device
+from ..dist.world import World
 from .layout import INIT_ATTR, Slot, Unit, ZeroParamStatus, padded_size, set_status
 
 
@@ -55,7 +56,7 @@ def leave_init_unit(param: nn.Parameter) -> None:
 def partition_new_parameters(model: nn.Module) -> None:
     """Partition (as Init does) the trainable parameters of `model` that are still whole, e.g.
     the modules Hugging Face's resize_token_embeddings builds for a partitioned model."""
-    comm, device = Comm(), default_device()
+    comm, device = World.current().comm, default_device()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if param.requires_grad and param.numel() and not hasattr(param, INIT_ATTR):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..dist import Comm
-from .hostmem import return_freed_memory
+from ..dist.hostmem import return_freed_memory
 from .init_units import leave_init_unit, take_full
 from .layout import INIT_ATTR, Unit, flatten
 

@@ -6,7 +6,8 @@ ranks only (typically the ranks of one host, or of a few), so the parameter all-
 gradient reduce-scatters never leave the group; the N/S groups are replicas of each other. The
 optimizer works over the shard group's Comm exactly as stage 3 works over the world's (units are
 padded for S shards, rank r owns shard r mod S), and the engine keeps the world's Comm for data,
-batch size and checkpoints.
+batch size and checkpoints. The two groups are the builder's `World`'s (`build.py`,
+`dist/world.py`): made once, counted in the world's ledger, watched with its deadline.
 
 Communication plan, per micro-step (shard group: S consecutive ranks; replica group: the N/S
 ranks with the same position in their shard groups):
@@ -25,16 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..dist import Comm
-from .groups import blocks, split, strided
 from .layout import Unit
 from .strategies import ReduceHandle, ReduceStrategy
-
-
-def mics_comms(comm: Comm, size: int) -> tuple[Comm, Comm]:
-    """(shard group, replica group) Comms of this rank, every group created on every rank in the
-    same order; both count in `comm`'s ledger and get `comm`'s desync deadline."""
-    return split(comm, blocks(comm.world_size, size)), \
-        split(comm, strided(comm.world_size, size))
 
 
 class ReplicaReduce(ReduceStrategy):

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dist import Comm
-from .hostmem import host_copy, host_zeros, is_host, to_device
+from ..dist.hostmem import host_copy, host_zeros, is_host, to_device
 from .keys import optim_key
 from .layout import Slot, Unit
 from .muon import muon_update, ns_dtype

@@ -13,7 +13,7 @@ is the same for every stage:
   4. the user's optimizer steps over the shard parameters (fused kernel where torch has one).
      An inf/nan norm is not read on the host before the step: torch's fused kernels take it as
      `found_inf` and leave parameters and state untouched; the host reads that one flag after
-     the whole step is queued (`hostsync.py`) to skip the LR scheduler, update the fp16 loss scale
+     the whole step is queued (`dist/hostsync.py`) to skip the LR scheduler, update the fp16 loss scale
      or raise NonFiniteGradientError. Non-fused optimizers read it before stepping instead;
   5. the fp32 master shard is copied back into the compute-dtype shard (unless it is that shard);
   6. the policy all-gathers the updated shards (stages 1-2).
@@ -32,15 +32,15 @@ import torch
 from torch import nn
 
 from ..dist import Comm, default_device
-from .hostmem import host_empty, host_region, is_host, to_device
+from ..dist.hostmem import host_empty, host_region, is_host, to_device
 from . import extensions
-from .hostsync import HostSyncs
+from ..dist.hostsync import HostSyncs
 from .layout import Unit
 from .owners import forget, register
 from .policy import StagePolicy
 from .scaler import LossScaler
 from . import step_check
-from ..dist.process_group import DesyncError
+from ..dist.steps import DesyncError
 
 
 class NonFiniteGradientError(FloatingPointError):

@@ -31,7 +31,7 @@ from .schedule import Schedule
 from .shard_store import ShardStore
 from .spec import Stage3Options
 from .strategies import Gather
-from .streams import Streams
+from ..dist.streams import Streams
 
 
 class ParamGatherer:

@@ -20,7 +20,7 @@ import torch
 from ..dist import Comm, wait_all
 from .layout import Unit
 from .spec import StageSpec
-from .streams import Streams
+from ..dist.streams import Streams
 
 # Reduce-scatters a stage keeps in flight while it goes on (computing backward, or launching the
 # next unit). Each one pins a unit-sized gradient buffer and (N-1)/N of it in receive buffers.
@@ -55,7 +55,7 @@ class StagePolicy:
         """Keep what every stage reads; a stage's own constructor then builds its parts and
         hooks (nothing is set up later).
 
-        `streams`: the step's side streams (`streams.py`, one owner, made by the builder)."""
+        `streams`: the step's side streams (`dist/streams.py`, one owner, made by the builder)."""
         self.units = units
         self.module = module
         self.comm = comm

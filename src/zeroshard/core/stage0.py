@@ -40,7 +40,7 @@ from .layout import Unit
 from .policy import MAX_IN_FLIGHT, FullGradients, StagePolicy, reattach_hook
 from .spec import StageSpec
 from .step_check import tail_numel, write_counts
-from .streams import Streams
+from ..dist.streams import Streams
 from .training_state import LaunchOrder, StepState, TrainingState, hook_outputs
 
 

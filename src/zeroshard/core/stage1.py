@@ -23,7 +23,7 @@ from ..dist import Comm
 from .layout import Unit
 from .policy import MAX_IN_FLIGHT, FullGradients, StagePolicy, reattach_hook
 from .spec import StageSpec
-from .streams import Streams
+from ..dist.streams import Streams
 
 
 class Stage1(StagePolicy):

@@ -35,7 +35,7 @@ from .layout import Unit
 from .policy import StagePolicy, eager_hook
 from .spec import StageSpec
 from .strategies import Reduce
-from .streams import Streams
+from ..dist.streams import Streams
 from .training_state import StepState, TrainingState, hook_outputs
 
 
@@ -48,7 +48,7 @@ class Stage2(StagePolicy):
                  module: torch.nn.Module | None, streams: Streams, syncs=None, early=None):
         """The gradient reducer over a plain reduce-scatter, and a hook on every parameter.
 
-        `syncs`: the optimizer's counter of host synchronization points (`hostsync.py`);
+        `syncs`: the optimizer's counter of host synchronization points (`dist/hostsync.py`);
         `early`: under optimizer offload, the per-unit CPU step (`offload/early.py`) handed each
         gradient shard as it becomes final in a boundary backward, or None."""
         super().__init__(units, comm, spec, module=module, streams=streams)

@@ -8,7 +8,7 @@ This policy holds the two and decides, from its hooks and its training state
 (`training_state.py`), when each unit is gathered, released and reduced.
 
 Communication plan, per micro-step (each collective names its unit to the desync watchdog,
-`desync.py`, which costs nothing unless a collective gets stuck):
+`dist/watchdog.py`, which costs nothing unless a collective gets stuck):
   1. forward: a unit module's pre-hook all-gathers the units it needs (`unshard`) and prefetches
      the next ones in the recorded order (`schedule.py`); its post-hook frees them (`reshard`)
      unless they are needed again soon (`stage3_max_reuse_distance`). Parameters outside the
@@ -62,7 +62,7 @@ from .shard_store import ShardStore
 from .spec import StageSpec
 from .stage3_hooks import ModuleHooks
 from .strategies import Gather, ReduceStrategy
-from .streams import Streams
+from ..dist.streams import Streams
 from .training_state import StepState, TrainingState, hook_outputs
 
 

@@ -22,7 +22,7 @@ from .stage1 import Stage1
 from .stage2 import Stage2
 from .stage3 import Stage3
 from .strategies import Gather, Reduce, ReduceStrategy
-from .streams import Streams
+from ..dist.streams import Streams
 from .mics import ReplicaReduce
 from .zeropp.collectives import HostGroups
 from .zeropp.hpz import SecondaryGather, host_group_comm
@@ -79,14 +79,15 @@ def make_policy(units: list[Unit], comm: Comm, spec: StageSpec, *, module: nn.Mo
     common = dict(module=module, syncs=syncs, early=early, streams=streams)
     if spec.stage < 3:
         return POLICIES[spec.stage](units, comm, spec, **common)
-    return Stage3(units, comm, spec, layout=layout, store=store, gather=_gather(comm, spec),
-                  reducer=_reducer(comm, spec), **common)
+    return Stage3(units, comm, spec, layout=layout, store=store,
+                  gather=_gather(comm, spec, streams), reducer=_reducer(comm, spec), **common)
 
 
-def _gather(comm: Comm, spec: StageSpec) -> Gather:
-    """Plain or qwZ; wrapped by hpZ when zero_hpz_partition_size > 1."""
+def _gather(comm: Comm, spec: StageSpec, streams: Streams) -> Gather:
+    """Plain or through qwZ's codec (its decodes told to the step's `streams`); wrapped by hpZ
+    when zero_hpz_partition_size > 1."""
     options = spec.stage3
-    gather = Gather(comm, codec=Int8Weights() if options.quantized_weights else None)
+    gather = Gather(comm, codec=Int8Weights(streams) if options.quantized_weights else None)
     if options.hpz_partition_size > 1:  # the secondary group, declared once, here
         gather = SecondaryGather(gather, host_group_comm(comm, options.hpz_partition_size))
     return gather

@@ -13,7 +13,7 @@ by exactly that many steps goes unseen).
 Which collective carries them: stage 0, the last gradient all-reduce of each reduction round (the
 end of the bucket whose buffer has room for them, so no collective is added); stages 1-3, the
 scalar all-reduce of the gradient norm (float64). The comparison is one device op; its result
-rides on the step's one host read (the non-finite flag, `hostsync.py`), masks the step inside the
+rides on the step's one host read (the non-finite flag, `dist/hostsync.py`), masks the step inside the
 fused kernels like an overflow would, and then raises `DesyncError` on every rank, naming each
 rank's counts. The extra elements are counted in the comm ledger as "step_check", apart from the
 gradient bytes.
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dist.process_group import DesyncError, describe_step_counts, step_counts
+from ..dist.process_group import step_counts
+from ..dist.steps import DesyncError, describe_step_counts
 
 #: Elements per rank: optimizer steps, backward passes.
 COUNT_SLOTS = 2

@@ -23,12 +23,15 @@ ring: training there sent 1.5x the model's inter-host bytes at stages 1-2 and 1.
 (tests/test_multihost.py; measured with all-gathers made of broadcasts, which move the same bytes
 between the same ranks as the exchanges that replaced them).
 
-Desync watchdog hooks. Each collective takes a ticket from `self.watch` (set by `core/desync.py`;
-a local record, no communication) and is waited through it: on gloo with a deadline, on device
-backends through a poller thread. Without a watchdog (one rank, timeout 0) waits are plain.
+What a Comm is given, at construction and never changed after: the ledger it counts into
+(`ledger.py`; shared by a world and its subgroups), the desync watchdog (`watchdog.py`) and the
+step counter (`steps.py`). A `World` (`world.py`) makes the Comms of a run and hands each the
+same three. Each collective takes a ticket from the watchdog (a local record, no communication)
+and is waited through it: on gloo with a deadline, on device backends through a poller thread.
+Without a watchdog (one rank, timeout 0) waits are plain.
 
 Strict host mode (`ZEROSHARD_STRICT_HOST=1`, on for the whole test suite): every tensor zeroshard
-places in host memory carries a mark on its storage (`core/hostmem.py` sets it), and a `Comm` on
+places in host memory carries a mark on its storage (`hostmem.py` sets it), and a `Comm` on
 the default group, which is NCCL on GPUs and takes device tensors only, refuses a marked tensor,
 naming the call site. So on a CPU-only machine, where host and device are the same memory, a host
 tensor reaching an NCCL collective is still an error. Side groups created for host traffic
@@ -40,14 +43,15 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 from .hostpolicy import HostMemoryError, call_site, is_host, strict_host  # noqa: F401
-from .process_group import PHASE_COUNTS, leave_cleanly_at_exit, step_counts
-from .topology import HostLayout
+from .ledger import Ledger
+from .process_group import leave_cleanly_at_exit
+from .steps import StepCounter
+from .topology import HostLayout, group_ranks
 
 # torch >= 2.13 renamed the tensor collectives; older releases only have the *_tensor names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -157,23 +161,35 @@ class Comm:
     (`_on_host`): correct, and as slow as such a set-up is anyway.
     """
 
-    def __init__(self, group=None, host: bool = False):
+    def __init__(self, group=None, host: bool = False, *, ledger: Ledger | None = None,
+                 watch=None, steps: StepCounter | None = None):
         leave_cleanly_at_exit()  # also when the user, not zeroshard, started the process group
         self.group = group
         #: Strict host mode and this group is not a host (gloo) side group: refuse host tensors.
         self.strict = strict_host() and not host
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.bytes = defaultdict(int)
-        self.inter_host_bytes = defaultdict(int)
+        #: Where this group's bytes are counted (a World's one ledger, or a ledger of its own).
+        self.ledger = ledger if ledger is not None else Ledger()
         self.composed = dist.get_backend(group) == "gloo"
-        self._ranks = [dist.get_global_rank(group, r) if group is not None else r
-                       for r in range(self.world_size)]
+        self._ranks = group_ranks(group)
         self.layout = HostLayout.from_env(dist.get_world_size())
         self.crossing_share = self.layout.crossing_share(self._ranks)
         self._tag = 0
-        #: The desync watchdog (`core/desync.py` attaches it; None: collectives wait plainly).
-        self.watch = None
+        #: The desync watchdog (`watchdog.py`; None: collectives wait plainly).
+        self.watch = watch
+        #: The step counter the engine phases are counted in (`phase`).
+        self.steps = steps if steps is not None else StepCounter()
+
+    @property
+    def bytes(self):
+        """Bytes moved per collective kind (the ledger's, shared with the ledger's other groups)."""
+        return self.ledger.bytes
+
+    @property
+    def inter_host_bytes(self):
+        """The inter-host part of `bytes`, per kind."""
+        return self.ledger.inter_host_bytes
 
     # -- the watchdog's hooks: a local record per collective, a deadline on each wait -----------
     def _ticket(self, kind: str, unit):
@@ -216,18 +232,14 @@ class Comm:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Label the collectives issued inside (e.g. "save_checkpoint") in desync reports, and
-        count the phase (backward passes and optimizer steps go into every tag: `next_tag`)."""
-        PHASE_COUNTS[name] += 1
-        watch = self.watch
-        if watch is None:
+        """Count the engine phase `name` in the step counter (backward passes and optimizer steps
+        are compared across ranks) and label the collectives issued inside in desync reports."""
+        self.steps.enter(name)
+        if self.watch is None:
             yield
             return
-        outer, watch.phase = watch.phase, name
-        try:
+        with self.watch.in_phase(name):
             yield
-        finally:
-            watch.phase = outer
 
     def next_tag(self, unit=None, kind: int = 0) -> int:
         """A point-to-point message tag that every rank draws in the same order.
@@ -238,15 +250,14 @@ class Comm:
         the desync watchdog reports it) instead of exchanging the wrong unit's bytes, or
         aborting the process inside gloo when the sizes differ.
 
-        The count is offset by this process's optimizer steps and backward passes
-        (`step_counts`): a rank that skipped `engine.step()` (or ran an extra backward) issues
-        the same collectives with other tags, so they are never paired across steps (at stage 1
-        four steps were, before gloo failed); they wait, and the watchdog names the ranks' steps.
+        The tag does not depend on the step counts: a rank that skipped `engine.step()` (or ran
+        an extra backward) issues the same collectives as its peers, one step apart, and they
+        pair up, so that the step counts riding in the step's gradient-norm all-reduce
+        (`core/step_check.py`) meet and are compared there, raising DesyncError at the next
+        step instead of a watchdog timeout.
         """
         self._tag = (self._tag + 1) % (1 << 18)
-        steps, backwards = step_counts()
-        count = (self._tag + 4099 * backwards + 65521 * steps) % (1 << 18)
-        return (kind << 30) | (count << 12) | (getattr(unit, "index", 4095) % 4096)
+        return (kind << 30) | (self._tag << 12) | (getattr(unit, "index", 4095) % 4096)
 
     def _refuse_host(self, kind: str, *tensors: torch.Tensor) -> None:
         """Strict host mode: raise HostMemoryError if a tensor lives in host memory."""
@@ -255,14 +266,13 @@ class Comm:
                 f"strict host mode: {kind} at {call_site(('comm.py',))} got a tensor in host memory "
                 "(offloaded state, a CPU gradient shard, a staging buffer, or a model built on the "
                 "CPU) on the default process group, which is NCCL on GPUs and takes compute-device "
-                "tensors only. Copy it to the compute device first (core/hostmem.py to_device), or "
+                "tensors only. Copy it to the compute device first (dist/hostmem.py to_device), or "
                 "use a gloo side group made for host traffic (Comm(group, host=True)).")
 
     def _count(self, kind: str, payload_bytes: int, factor: float) -> None:
         n = self.world_size
         moved = int(round(factor * payload_bytes * (n - 1) / n))
-        self.bytes[kind] += moved
-        self.inter_host_bytes[kind] += int(round(moved * self.crossing_share))
+        self.ledger.add(kind, moved, int(round(moved * self.crossing_share)))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    unit=None, checked: int = 0):
@@ -377,11 +387,10 @@ class Comm:
         if self.strict:
             self._refuse_host("all_to_all", received, send)
         sent = sum(n for r, n in enumerate(send_splits) if r != self.rank)
-        self.bytes["all_to_all"] += sent * send.element_size()
         me = self.layout.host(self._ranks[self.rank])  # point to point: the split is exact
         crossing = sum(n for r, n in enumerate(send_splits)
                        if self.layout.host(self._ranks[r]) != me)
-        self.inter_host_bytes["all_to_all"] += crossing * send.element_size()
+        self.ledger.add("all_to_all", sent * send.element_size(), crossing * send.element_size())
         if self.world_size == 1:
             received.copy_(send)
             return None
@@ -399,29 +408,14 @@ class Comm:
             self._run("barrier", None, lambda: [dist.barrier(group=self.group, async_op=True)])
 
     def report(self) -> dict[str, int]:
-        """Cumulative bytes moved by this rank per collective kind, "total", and its host split.
-
-        "intra_host" + "inter_host" = "total", by the ring model of the module docstring.
-        """
-        kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
-                 "step_check")
-        out = {k: int(self.bytes.get(k, 0)) for k in kinds}
-        out.update((k, int(v)) for k, v in self.bytes.items() if k not in out)  # any other kind
-        out["total"] = sum(out.values())
-        inter = int(sum(self.inter_host_bytes.values()))
-        out["intra_host"], out["inter_host"] = out["total"] - inter, inter
-        return out
-
-    def count_in(self, ledger: "Comm") -> None:
-        """Count this group's collectives in `ledger`'s counts from now on (a subgroup of its
-        ranks: one ledger per rank, whichever group moved the bytes; each collective keeps its
-        own group's intra-/inter-host split)."""
-        self.bytes, self.inter_host_bytes = ledger.bytes, ledger.inter_host_bytes
+        """Cumulative bytes moved by this rank per collective kind, "total", and its host split
+        ("intra_host" + "inter_host" = "total", by the ring model of the module docstring): the
+        ledger's, so a subgroup's bytes are in its world's report."""
+        return self.ledger.report()
 
     def reset(self) -> None:
         """Zero the ledger (e.g. to measure one step)."""
-        self.bytes.clear()
-        self.inter_host_bytes.clear()
+        self.ledger.reset()
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable `obj`, in rank order (small control messages; not in the ledger)."""

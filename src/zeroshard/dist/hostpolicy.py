@@ -1,5 +1,5 @@
 """Strict host mode (`ZEROSHARD_STRICT_HOST=1`, on for the whole test suite): every tensor
-zeroshard places in host memory carries a mark on its storage (`core/hostmem.py` sets it), and a
+zeroshard places in host memory carries a mark on its storage (`dist/hostmem.py` sets it), and a
 `Comm` on the default group, which is NCCL on GPUs and takes device tensors only, refuses a
 marked tensor, naming the call site. So on a CPU-only machine, where host and device are the same
 memory, a host tensor reaching an NCCL collective is still an error."""

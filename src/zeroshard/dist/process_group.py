@@ -5,9 +5,11 @@ Ending it also compares the ranks' step counts (`steps_agree`): a rank that skip
 `engine.step()` or `engine.backward()` late in a run, after its last collective, leaves replicas
 that differ, which no collective can tell any more. The comparison runs in the exit handler and,
 because many scripts end with `dist.destroy_process_group()` themselves (accelerate's
-`end_training()`, torchtitan), also inside that call: `leave_cleanly_at_exit` wraps torch's
-`destroy_process_group` so that destroying the default group first compares the counts and then
-raises `DesyncError` on every rank when they differ (the group is destroyed either way).
+`end_training()`, torchtitan), also inside that call: `leave_cleanly_at_exit` hooks torch's
+`destroy_process_group` (the function object, so whatever name a script bound it to) so that
+destroying the default group first compares the counts and then raises `DesyncError` on every
+rank when they differ (the group is destroyed either way). The counts are the process's
+`steps.PROCESS_STEPS`.
 
 `zeroshard.comm` (compat/deepspeed/comm.py) re-exports `init_distributed` and
 `leave_cleanly_at_exit`, the names users and `deepspeed.comm` scripts call.
@@ -16,39 +18,43 @@ raises `DesyncError` on every rank when they differ (the group is destroyed eith
 from __future__ import annotations
 
 import atexit
-import collections
 import datetime
 import json
 import os
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
 
+from .steps import PROCESS_STEPS, DesyncError, describe_step_counts
 
-#: Engine phases entered so far in this process, by name ("backward", "optimizer step", ...;
-#: `Comm.phase` counts them). Every rank must run as many backward passes and optimizer steps:
-#: the counts travel in point-to-point tags (`Comm.next_tag`), label desync reports, and are
-#: compared at exit (`steps_agree`).
-PHASE_COUNTS: collections.Counter = collections.Counter()
-#: The phases whose counts must agree across ranks (a forward may run on one rank alone, e.g. an
-#: evaluation on rank 0 below stage 3).
-COUNTED = ("backward", "optimizer step")
+
 #: Longest wait at exit for the peers' counts (a peer that does not come has failed: no verdict).
 EXIT_WAIT_S = 10.0
-#: torch's own `destroy_process_group`, kept when `leave_cleanly_at_exit` wraps it.
+#: A copy of torch's `destroy_process_group` as it was before `_hook_destroy` changed its code.
 _TORCH_DESTROY = None
+#: Comparisons of the step counts made so far in this process (each gets its own store keys).
+_EXIT_CHECKS = 0
+#: Called (no arguments) once the default group is destroyed (`world.py` forgets its World).
+_ON_DESTROY: list = []
 
 
-class DesyncError(RuntimeError):
-    """Ranks disagreed: about the next collective (a hang, or a failure, caught by the watchdog),
-    or about how many optimizer steps and backward passes they ran."""
+def on_default_group_destroyed(callback) -> None:
+    """Call `callback()` each time the default group is destroyed (by any name, or at exit)."""
+    if callback not in _ON_DESTROY:
+        _ON_DESTROY.append(callback)
+
+
+def _destroyed() -> None:
+    for callback in _ON_DESTROY:
+        callback()
 
 
 def step_counts() -> tuple[int, int]:
-    """(optimizer steps, backward passes) this process has run through an engine."""
-    return PHASE_COUNTS["optimizer step"], PHASE_COUNTS["backward"]
+    """(optimizer steps, backward passes) this process has run through its engines."""
+    return PROCESS_STEPS.counts()
 
 
 #: A folder from `zeroshard run`: initialize() leaves a file there, so that a job handed a DeepSpeed
@@ -173,33 +179,50 @@ def leave_cleanly_at_exit() -> None:
     """
     atexit.unregister(_destroy_at_exit)
     atexit.register(_destroy_at_exit)
-    _wrap_destroy()
+    _hook_destroy()
 
 
-def _wrap_destroy() -> None:
-    """Make torch's `destroy_process_group` (both of its public names) compare the step counts
-    before the default group goes (idempotent)."""
+def _call_zeroshard_destroy(group=None):
+    """The code torch's `destroy_process_group` runs once hooked: zeroshard's checked destroy,
+    looked up in torch's module, where `_hook_destroy` put it."""
+    return _zeroshard_checked_destroy(group)  # noqa: F821 - a global of torch's distributed_c10d
+
+
+def _hook_destroy() -> None:
+    """Make torch's `destroy_process_group` compare the step counts before the default group goes
+    (idempotent).
+
+    The function object itself is changed (its code now calls `_checked_destroy`), not the names
+    bound to it: a script that ran `from torch.distributed import destroy_process_group` before
+    zeroshard was imported holds that same object, and its call is checked too. Where torch's
+    function cannot take new code (a closure), its public names are rebound instead."""
     global _TORCH_DESTROY
     if _TORCH_DESTROY is not None or not dist.is_available():
         return
-    _TORCH_DESTROY = dist.distributed_c10d.destroy_process_group
+    torch_fn = dist.distributed_c10d.destroy_process_group
+    _TORCH_DESTROY = types.FunctionType(torch_fn.__code__, torch_fn.__globals__, torch_fn.__name__,
+                                        torch_fn.__defaults__, torch_fn.__closure__)
+    _TORCH_DESTROY.__kwdefaults__ = torch_fn.__kwdefaults__
+    if torch_fn.__closure__ is None:
+        torch_fn.__globals__["_zeroshard_checked_destroy"] = _checked_destroy
+        torch_fn.__code__ = _call_zeroshard_destroy.__code__
+    else:
+        dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = _checked_destroy
 
-    def destroy_process_group(group=None):
-        """torch's destroy_process_group; for the default group, first the step-count check
-        (DesyncError on every rank, after the group is destroyed, when the counts differ)."""
-        problem = None
-        default = group is None or group is dist.GroupMember.WORLD
-        if default and dist.is_initialized() and getattr(sys, "last_value", None) is None:
-            problem = steps_agree()
-        _TORCH_DESTROY(group)
-        if default:
-            _await_store_thread()  # as at exit: the script may end right after this call
-        if problem is not None:
-            raise DesyncError(f"at destroy_process_group(): {problem}")
 
-    destroy_process_group.__wrapped__ = _TORCH_DESTROY
-    dist.destroy_process_group = destroy_process_group
-    dist.distributed_c10d.destroy_process_group = destroy_process_group
+def _checked_destroy(group=None):
+    """torch's destroy_process_group; for the default group, first the step-count check
+    (DesyncError on every rank, after the group is destroyed, when the counts differ)."""
+    problem = None
+    default = group is None or group is dist.GroupMember.WORLD
+    if default and dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        problem = steps_agree()
+    _TORCH_DESTROY(group)
+    if default:
+        _destroyed()
+        _await_store_thread()  # as at exit: the script may end right after this call
+    if problem is not None:
+        raise DesyncError(f"at destroy_process_group(): {problem}")
 
 
 def _destroy_at_exit() -> None:
@@ -208,6 +231,7 @@ def _destroy_at_exit() -> None:
     if dist.is_available() and dist.is_initialized():
         problem = steps_agree()
         (_TORCH_DESTROY or dist.destroy_process_group)()  # the counts are compared already
+        _destroyed()
         _await_store_thread()
         if problem is not None:
             # Exiting 0 would report a run whose replicas differ as a success.
@@ -225,12 +249,13 @@ def steps_agree(timeout_s: float = EXIT_WAIT_S) -> str | None:
         return None
     # Each comparison in this process gets its own keys (a script may destroy the group, start a
     # new one over the same store and compare again); every rank counts them alike.
-    PHASE_COUNTS["exit check"] += 1
+    global _EXIT_CHECKS
+    _EXIT_CHECKS += 1
     try:
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()
         prefix = (f"zeroshard_exit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-                  f"{PHASE_COUNTS['exit check']}/")
+                  f"{_EXIT_CHECKS}/")
         store.set(f"{prefix}{rank}", json.dumps(step_counts()))
         keys = [f"{prefix}{r}" for r in range(world)]
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
@@ -244,19 +269,6 @@ def steps_agree(timeout_s: float = EXIT_WAIT_S) -> str | None:
     if len(set(counts)) == 1:
         return None
     return describe_step_counts(counts)
-
-
-def describe_step_counts(counts: list[tuple[int, int]]) -> str:
-    """"the ranks ran different numbers of steps (rank 0: 8 ...; rank 1: 7 ...)" and the advice."""
-    groups: dict[tuple, list[int]] = {}
-    for rank, count in enumerate(counts):
-        groups.setdefault(tuple(count), []).append(rank)
-    each = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {c[0]} "
-                     f"optimizer steps after {c[1]} backward passes" for c, r in groups.items())
-    return (f"the ranks ran different numbers of optimizer steps or backward passes ({each}), so "
-            "their replicas differ: a rank skipped engine.step() or engine.backward() (or ran an "
-            "extra one). Every rank must call both the same number of times; this run's weights "
-            "are not to be trusted")
 
 
 #: Name of the thread that serves torch's TCPStore (rank 0's rendezvous store).

@@ -1,10 +1,13 @@
 """Which host each global rank runs on (torchrun's LOCAL_WORLD_SIZE, or Slurm's tasks per
-node): the comm ledger's intra-/inter-host split and the ZeRO++ host groups read it."""
+node): the comm ledger's intra-/inter-host split and the ZeRO++ host groups read it; and the
+global ranks of a process group."""
 
 from __future__ import annotations
 
 import os
 import warnings
+
+import torch.distributed as dist
 
 from .process_group import env_int
 
@@ -47,3 +50,10 @@ class HostLayout:
             return 0.0
         crossing = sum(self.host(ranks[i]) != self.host(ranks[(i + 1) % n]) for i in range(n))
         return crossing / n
+
+
+def group_ranks(group) -> list[int]:
+    """The global ranks of process group `group` (None: the default group), in group order."""
+    size = dist.get_world_size(group)
+    return [dist.get_global_rank(group, r) for r in range(size)] if group is not None \
+        else list(range(size))

@@ -43,7 +43,7 @@ from collections import Counter
 
 import torch
 
-from ..core.hostmem import host_region
+from ..dist.hostmem import host_region
 
 
 class EarlyStep:

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..core.hostmem import byte_view, mark_host
+from ..dist.hostmem import byte_view, mark_host
 
 #: Alignment of buffers, offsets and lengths for O_DIRECT (the largest common logical block).
 BLOCK = 4096

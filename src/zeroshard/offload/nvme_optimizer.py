@@ -16,10 +16,10 @@ import contextlib
 import torch
 from torch import nn
 
-from ..core.hostmem import host_copy, host_empty, host_zeros, to_host
-from ..core.hostsync import HostSyncs
+from ..dist.hostmem import host_copy, host_empty, host_zeros, to_host
+from ..dist.hostsync import HostSyncs
 from ..core.layout import ALIGN, Unit
-from ..core.streams import Streams
+from ..dist.streams import Streams
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, round_up
 from .optimizer import Placement, _num_threads, _offload_threads, _scale, reseat
 
@@ -28,7 +28,7 @@ class NvmePlacement(Placement):
     """Masters and optimizer state in swap files, stepped unit by unit through staging buffers."""
 
     def __init__(self, optimizer, units, owned: list[torch.Tensor], spec, aio, rank: int, *,
-                 syncs: HostSyncs | None = None, streams: Streams | None = None):
+                 syncs: HostSyncs | None = None, streams: Streams):
         """Write each unit's owned slice (`owned`, full precision) as its master's swap file and
         re-seat `optimizer` on placeholder masters (filled unit by unit during the step)."""
         self.optimizer = optimizer
@@ -45,7 +45,7 @@ class NvmePlacement(Placement):
         self.grad_buffers = None
         self.grads = None
         self.syncs = syncs if syncs is not None else HostSyncs()
-        self.streams = streams if streams is not None else Streams(self.compute_device)
+        self.streams = streams
         self.pipeline_read = bool(spec.pipeline_read)
         self.pipeline_write = bool(spec.pipeline_write)
         self.kinds = {g: _state_kinds(optimizer, g) for g in range(len(optimizer.param_groups))}

@@ -33,10 +33,10 @@ import os
 import torch
 from torch import nn
 
-from ..core.hostmem import host_copy, host_empty, host_zeros, is_host, on_device, to_host
-from ..core.hostsync import HostSyncs
+from ..dist.hostmem import host_copy, host_empty, host_zeros, is_host, on_device, to_host
+from ..dist.hostsync import HostSyncs
 from ..core.layout import Unit
-from ..core.streams import Streams
+from ..dist.streams import Streams
 from .early import EarlyStep
 
 # torch optimizers whose fused kernels skip the update where `optimizer.found_inf` is 1.
@@ -52,11 +52,11 @@ class Placement:
                  owned: list[torch.Tensor], compute_dtype: torch.dtype | None, where: str = "device",
                  pin: bool = False, master_dtype: torch.dtype = torch.float32,
                  step_in_backward: bool | None = False, *, syncs: HostSyncs | None = None,
-                 clip_norm: float = 0.0, loss_scaling: bool = False,
-                 streams: Streams | None = None):
+                 clip_norm: float = 0.0, loss_scaling: bool = False, streams: Streams):
         """Take a master of each unit's owned slice (`owned`, in full precision, before the units
         are cast), re-seat `optimizer` on the masters, and decide whether units may be stepped
-        during the boundary backward (`early.py`; never with clipping or fp16 loss scaling)."""
+        during the boundary backward (`early.py`; never with clipping or fp16 loss scaling).
+        `streams`: the step's side streams (the builder's one `Streams`)."""
         self.optimizer = optimizer
         self.units = units
         self.name = where
@@ -80,8 +80,7 @@ class Placement:
         self.threads = _offload_threads() if where != "device" and on_cuda else None
         #: Host synchronization points (the optimizer's counter).
         self.syncs = syncs if syncs is not None else HostSyncs()
-        self.streams = streams if streams is not None else \
-            Streams(units[0].compute_device if units else torch.device("cpu"))
+        self.streams = streams
         if self.step_in_backward and clip_norm <= 0 and not loss_scaling and self.can_mask():
             self.early = EarlyStep(self)
 

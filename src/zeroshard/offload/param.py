@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..core.hostmem import host_copy, host_empty, strict_host, to_device
+from ..dist.hostmem import host_copy, host_empty, strict_host, to_device
 from ..core.layout import Unit
 from ..core.shard_store import ShardStore
-from ..core.streams import Streams
+from ..dist.streams import Streams
 from .nvme import AsyncIO, BufferPool, NvmeError, SwapDir, aligned_buffer, round_up
 
 
@@ -34,7 +34,7 @@ class CpuShardStore(ShardStore):
     name = "cpu"
 
     def __init__(self, units: list[Unit], pin: bool, ahead: int = 2,
-                 ahead_numel: int = 100_000_000, streams: Streams | None = None):
+                 ahead_numel: int = 100_000_000, *, streams: Streams):
         super().__init__(units)
         self.staged: dict[int, torch.Tensor] = {}
         #: unit index -> (device copy, event after it on the side stream): read-aheads not used yet
@@ -43,8 +43,7 @@ class CpuShardStore(ShardStore):
         #: Sources served from a read-ahead; the most read-aheads (and elements) held at once.
         self.hits = 0
         self.peak_prefetched = self.peak_numel = 0
-        device = units[0].compute_device if units else torch.device("cpu")
-        self.streams = streams if streams is not None else Streams(device)
+        self.streams = streams
         for unit in units:
             # Always a new tensor, also when the device is the CPU: an fp32 master taken from the
             # shard stays a copy of its own, as it must be on a GPU machine.
@@ -117,7 +116,7 @@ class NvmeShardStore(ShardStore):
 
     name = "nvme"
 
-    def __init__(self, units: list[Unit], spec, aio, rank: int, streams: Streams | None = None):
+    def __init__(self, units: list[Unit], spec, aio, rank: int, *, streams: Streams):
         super().__init__(units)
         self.swap = SwapDir(spec.nvme_path, rank, "param", "zero_optimization.offload_param")
         nbytes = {u.index: u.shard.numel() * u.shard.element_size() for u in units}
@@ -129,8 +128,7 @@ class NvmeShardStore(ShardStore):
         self.reads: dict[int, tuple] = {}  # unit index -> (request, buffer): started reads
         # unit index -> (buffer, pooled, event after its copy to the device): sources being gathered
         self.held: dict[int, tuple] = {}
-        self.streams = streams if streams is not None else \
-            Streams(units[0].compute_device if units else torch.device("cpu"))
+        self.streams = streams
         self.writes: dict[int, list] = {}  # unit index -> write requests in flight
         for unit in units:
             self.swap.create(self._file(unit), nbytes[unit.index])
@@ -281,8 +279,7 @@ def _typed(buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
     return buffer.view(unit.dtype)[:unit.shard_numel]
 
 
-def make_store(spec, aio, units: list[Unit], rank: int,
-               streams: Streams | None = None) -> ShardStore:
+def make_store(spec, aio, units: list[Unit], rank: int, *, streams: Streams) -> ShardStore:
     """The store `offload_param` asks for (None or device "none": the device), queuing its copies
     on the step's `streams`."""
     device = spec.device if spec is not None else "none"

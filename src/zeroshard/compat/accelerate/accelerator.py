@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from ...dist import Comm, default_device, init_distributed
+from ...dist import default_device, init_distributed
+from ...dist.world import World
 from ...config.auto import resolve_auto
 from ...build import initialize
 from ...engine import Engine
@@ -82,7 +83,7 @@ class Accelerator(RankMixin):
                              "(CUDA_VISIBLE_DEVICES= , or use_cpu: true in the accelerate config "
                              "given to zeroshard run --config_file)")
         init_distributed()
-        self.comm = Comm()
+        self.comm = World.current().comm
         launcher_path = os.environ.get(ENV)
         launcher = read_accelerate_config(launcher_path) if launcher_path else None
         plugin = accelerate_kwargs.get("gradient_accumulation_plugin")

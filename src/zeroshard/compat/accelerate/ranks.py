@@ -1,6 +1,7 @@
 """What the ranks of an `Accelerator` do together: gather (for metrics), reduce, pad, barriers,
-rank-ordered blocks and printing once. Every collective goes through a `Comm` of the
-Accelerator's own, so metric traffic never shows in a training engine's comm ledger."""
+rank-ordered blocks and printing once. Every collective goes through the Comm of the `World`
+current when the Accelerator was made (`dist/world.py`); `prepare()` builds its engine a World of
+its own after that, so metric traffic never shows in the engine's comm ledger."""
 
 from __future__ import annotations
 

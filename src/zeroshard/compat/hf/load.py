@@ -34,7 +34,7 @@ from torch import nn
 from ...checkpoint.safetensors_read import checkpoint_entries
 from ...dist import init_distributed
 from ...config.schema import load_config
-from ...core.hostmem import host_copy, to_device
+from ...dist.hostmem import host_copy, to_device
 from ...core.init import Init
 from .init import HF_FLAG, initialize_gathered
 from ...core.layout import INIT_ATTR, full_shape

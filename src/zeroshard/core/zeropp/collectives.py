@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ...dist import Comm
-from ..groups import blocks, split, strided
+from ...dist.groups import blocks, split, strided
+from ...dist.streams import Streams
 from .quantize import (GRADIENT_BLOCK, WEIGHT_BLOCK, BlockPlan, dequantize, dequantize_into,
                        packed_size, quantize, quantize_into)
 
@@ -54,9 +55,9 @@ class _DecodeGather:
     """An in-flight quantized all-gather; waiting decodes every row into the output buffer."""
 
     def __init__(self, handle, packed: torch.Tensor, output: torch.Tensor, rows: int,
-                 plan: BlockPlan | None):
+                 plan: BlockPlan | None, streams: Streams):
         self.handle, self.packed, self.output, self.rows = handle, packed, output, rows
-        self.plan = plan
+        self.plan, self.streams = plan, streams
         self.rows_packed: torch.Tensor | None = None
 
     def wait(self) -> None:
@@ -71,19 +72,20 @@ class _DecodeGather:
             fix = plan.fixups(range(self.rows), self.packed.device) if plan else None
             dequantize_into(self.packed.view(self.rows, -1), self.output.view(self.rows, numel),
                             WEIGHT_BLOCK, fix, plan.extra if plan else 0)
-            if self.packed.device.type == "cuda":
-                # Made on the gather stream, read here on the waiting one: the caching allocator
-                # must not hand it out again before this decode has run.
-                self.packed.record_stream(torch.cuda.current_stream(self.packed.device))
+            # Made on the gather stream, read here on the waiting one: the caching allocator must
+            # not hand it out again before this decode has run.
+            self.streams.keep_until_used(self.packed)
             self.packed = None
 
 
 def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
-                         async_op: bool = False, unit=None, plan: BlockPlan | None = None):
+                         async_op: bool = False, unit=None, plan: BlockPlan | None = None, *,
+                         streams: Streams):
     """qwZ: gather every rank's `shard` into `output` (rank order), int8-quantized on the wire
     in blocks cut by `plan` (the unit's, from `block_plan`; None: every WEIGHT_BLOCK elements);
     every slot of `output`, this rank's too, holds decoded values. The ledger counts the packed
-    bytes (`Comm.all_gather` on uint8)."""
+    bytes (`Comm.all_gather` on uint8). `streams`: the step's, which keep the packed rows made on
+    a side stream until the decode that reads them has run."""
     rows = comm.world_size
     numel = shard.numel()
     if output.numel() != rows * numel:
@@ -96,19 +98,19 @@ def quantized_all_gather(comm: Comm, output: torch.Tensor, shard: torch.Tensor,
     fix = plan.fixups([comm.rank], shard.device) if plan is not None else None
     quantize_into(shard.reshape(1, numel), own.view(1, width), WEIGHT_BLOCK, fix, extra)
     handle = comm.all_gather(packed, own, async_op=True, unit=unit)
-    gather = _DecodeGather(handle, packed, output, rows, plan)
+    gather = _DecodeGather(handle, packed, output, rows, plan, streams)
     return gather if async_op else gather.wait()
 
 
 def packed_all_gather(comm: Comm, output: torch.Tensor, rows_packed: torch.Tensor, rows: int,
-                      unit=None, plan: BlockPlan | None = None):
+                      unit=None, plan: BlockPlan | None = None, *, streams: Streams):
     """hpZ under qwZ: gather rows already packed by `quantized_all_gather` (this rank holds
     `rows_packed`, [rows / comm.world_size, width] uint8, its group's consecutive rows) and
     decode all `rows` into `output`: the same weights the packed rows first decoded to."""
     packed = torch.empty(rows * rows_packed.shape[1], dtype=torch.uint8,
                          device=rows_packed.device)
     handle = comm.all_gather(packed, rows_packed.view(-1), async_op=True, unit=unit)
-    return _DecodeGather(handle, packed, output, rows, plan)
+    return _DecodeGather(handle, packed, output, rows, plan, streams)
 
 
 class HostGroups:
@@ -121,7 +123,7 @@ class HostGroups:
         self.hosts = world // ranks_per_host
         self.host, self.local = divmod(comm.rank, ranks_per_host)
         self.rank = comm.rank
-        # One ledger and one watchdog deadline for the step's collectives (groups.py).
+        # One ledger and one watchdog deadline for the step's collectives (dist/groups.py).
         self.intra = split(comm, blocks(world, ranks_per_host))
         self.inter = split(comm, strided(world, ranks_per_host))
 

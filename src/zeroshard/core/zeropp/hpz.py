@@ -38,7 +38,7 @@ import torch
 
 from ...dist import Comm
 from ...config.refusals import HPZ_KEY
-from ..groups import blocks, split
+from ...dist.groups import blocks, split
 from ..layout import Unit
 from ..strategies import Gather, GatherHandle
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...dist import Comm
+from ...dist.streams import Streams
 from ..layout import Unit
 from ..strategies import GatherHandle
 from .collectives import block_plan, packed_all_gather, quantized_all_gather
@@ -24,7 +25,9 @@ from .quantize import WEIGHT_BLOCK, BlockPlan
 class Int8Weights:
     """qwZ's codec: a unit's weights on the wire as int8 blocks (cut at its parameters' starts)."""
 
-    def __init__(self):
+    def __init__(self, streams: Streams):
+        """`streams`: the step's (the decode reads rows gathered on the "gather" stream)."""
+        self.streams = streams
         self.plans: dict[int, BlockPlan] = {}
 
     def _plan(self, unit: Unit) -> BlockPlan:
@@ -36,13 +39,14 @@ class Int8Weights:
                unit: Unit) -> GatherHandle:
         """Encode this rank's shard, all-gather every rank's rows over `comm`, decode into `flat`."""
         return _Decoded(quantized_all_gather(comm, flat, source, async_op=True, unit=unit,
-                                             plan=self._plan(unit)))
+                                             plan=self._plan(unit), streams=self.streams))
 
     def gather_rows(self, comm: Comm, flat: torch.Tensor, rows: torch.Tensor, total_rows: int,
                     unit: Unit) -> GatherHandle:
         """All-gather rows encoded earlier (this rank holds `rows`, consecutive rows of the
         `total_rows`) over `comm` and decode all of them into `flat` (hpZ's secondary shard)."""
-        return _Decoded(packed_all_gather(comm, flat, rows, total_rows, unit, self._plan(unit)))
+        return _Decoded(packed_all_gather(comm, flat, rows, total_rows, unit, self._plan(unit),
+                                          streams=self.streams))
 
 
 class _Decoded(GatherHandle):

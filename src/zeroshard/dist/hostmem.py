@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
-from ..dist import HOST_ATTR, HostMemoryError, call_site, is_host, strict_host
+from .hostpolicy import HOST_ATTR, HostMemoryError, call_site, is_host, strict_host
 
 __all__ = ["HostMemoryError", "byte_view", "host_copy", "host_empty", "host_region", "host_zeros",
            "is_host", "mark_cpu_as_host", "mark_host", "on_device", "return_freed_memory",
@@ -136,7 +136,7 @@ class _HostTracker(TorchDispatchMode):
                     "host memory (offloaded masters or state, CPU gradient shards, staging "
                     "buffers) with compute-device tensors; on a GPU this fails (\"Expected all "
                     "tensors to be on the same device\"). Copy across explicitly with "
-                    "core/hostmem.py to_host / to_device.")
+                    "dist/hostmem.py to_host / to_device.")
         out = func(*args, **kwargs)
         if any(hosted) and func is not torch.ops.aten.copy_.default:
             for result in tree_leaves(out):

@@ -2,17 +2,17 @@
 replica groups, qgZ's intra- and inter-host groups are each a partition of a Comm's ranks.
 
 `split` creates every part's group on every rank in the same order (torch.distributed's rule:
-`new_group` is collective over the whole world) and returns this rank's part as a Comm that
-counts its bytes in the parent's ledger (with its own intra-/inter-host split) and is watched by
-the desync watchdog with the parent's deadline, like every other collective of the step.
+`new_group` is collective over the whole world) and returns this rank's part as a Comm made with
+the parent's ledger (each collective keeps its own group's intra-/inter-host split), the parent's
+step counter and a watchdog with the parent's deadline, like every other collective of the step.
+A `World` (`world.py`) keeps the parts it was asked for, so each is made once.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..dist import Comm
-from .desync import watch_collectives
+from .comm import Comm
 
 
 def split(comm: Comm, parts: list[list[int]]) -> Comm:
@@ -24,10 +24,8 @@ def split(comm: Comm, parts: list[list[int]]) -> Comm:
             mine = group
     if mine is None:
         raise ValueError(f"rank {comm.rank} is in none of the groups {parts}")
-    sub = Comm(mine)
-    sub.count_in(comm)
-    watch_collectives(sub, comm.watch.timeout_s if comm.watch is not None else 0)
-    return sub
+    watch = comm.watch.for_group(mine) if comm.watch is not None else None
+    return Comm(mine, ledger=comm.ledger, watch=watch, steps=comm.steps)
 
 
 def blocks(world: int, size: int) -> list[list[int]]:

@@ -5,6 +5,10 @@ data-dependent branch in forward, an exception caught on one rank followed by `s
 a step without its micro-step, a crash), its peers wait for a collective that never comes; torch
 reports that only after the process group's timeout (30 minutes by default), naming nothing.
 
+A `World` (`world.py`) makes one `Watchdog` per process group and hands it to that group's `Comm`
+at construction (none for one rank or `zeroshard_desync_timeout` 0); a subgroup's watchdog
+(`for_group`) keeps the parent's deadline and step counter.
+
 Steady state costs nothing: no extra collective, no tensor, no store traffic. Before each
 collective `Comm` asks the watchdog for a ticket: a tuple of (running count, kind, unit, phase,
 start time), kept locally as "the last operation". The cost is a counter increment and a
@@ -39,6 +43,7 @@ entries it has not read yet (from the incident its peers already reported) are r
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import datetime
 import json
@@ -50,7 +55,8 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from ..dist.process_group import DesyncError, step_counts
+from .steps import DesyncError, StepCounter
+from .topology import group_ranks
 
 #: Longest wait for the peers' entries once a rank is stuck.
 PEER_WAIT_S = 30.0
@@ -64,37 +70,61 @@ _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer", "br
                     "connection refused", "end of file")
 
 
-def watch_collectives(comm, timeout_s: float) -> "Watchdog | None":
-    """Attach a watchdog to `comm` (None and nothing attached for one rank or timeout 0)."""
-    comm.watch = Watchdog(comm, timeout_s) if comm.world_size > 1 and timeout_s > 0 else None
-    return comm.watch
-
-
 class Watchdog:
-    """Per-Comm record of the last collective, and the diagnosis run when one gets stuck."""
+    """The record of one process group's last collective, and the diagnosis run when one gets
+    stuck."""
 
-    def __init__(self, comm, timeout_s: float):
-        self.comm = comm
+    def __init__(self, group, timeout_s: float, steps: StepCounter, *, ranks: list[int],
+                 rank: int, polled: bool):
+        """`group` (None: the default one) has global `ranks` (group order), this process at
+        position `rank`; `polled`: a device backend, whose waits do not block the host."""
+        self.group = group
         self.timeout_s = float(timeout_s)
+        self.steps = steps
+        self.ranks = list(ranks)
+        self.rank = rank
+        self.world_size = len(self.ranks)
         self.count = 0
         self.last = None  # ticket of the last collective issued
         self.phase = None  # what the engine is doing ("backward", "save_checkpoint", ...)
         self.verdict: str | None = None  # set once: the report every later call raises
         self.seen: dict[int, bytes] = {}  # peer -> its entry we already reported
-        name = getattr(comm.group, "group_name", None) if comm.group is not None else "default"
+        name = getattr(group, "group_name", None) if group is not None else "default"
         self.prefix = f"zeroshard_desync/{name}/"
-        self.polled = not comm.composed  # device backends: the host does not block in wait()
+        # Device backends: the host does not block in wait(), a poller thread watches instead.
+        self.polled = polled
         self.outstanding = collections.deque()  # (work, ticket), polled backends only
         self.poller: threading.Thread | None = None
         self.lock = threading.Lock()
         self._announce()
+
+    @classmethod
+    def arm(cls, group, timeout_s: float, steps: StepCounter) -> "Watchdog | None":
+        """A watchdog for `group`, or None where none is needed (one rank, timeout 0)."""
+        if timeout_s <= 0 or dist.get_world_size(group) < 2:
+            return None
+        return cls(group, timeout_s, steps, ranks=group_ranks(group), rank=dist.get_rank(group),
+                   polled=dist.get_backend(group) != "gloo")
+
+    def for_group(self, group) -> "Watchdog | None":
+        """A watchdog for a subgroup of this one's ranks: the same deadline and step counter."""
+        return Watchdog.arm(group, self.timeout_s, self.steps)
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str):
+        """Label the collectives issued inside with the engine phase `name` in reports."""
+        outer, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = outer
 
     def _announce(self) -> None:
         """Publish this rank's host and pid once (a peer that finds the pid gone on its own host
         knows this rank is dead instead of waiting for its report); no store, no announcement."""
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.set(self.prefix + f"proc/{self.comm._ranks[self.comm.rank]}",
+            store.set(self.prefix + f"proc/{self.ranks[self.rank]}",
                       json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         except Exception:  # noqa: BLE001 - the diagnosis then waits for reports as before
             pass
@@ -105,7 +135,7 @@ class Watchdog:
         if self.verdict is not None:
             raise DesyncError(self.verdict)
         self.count += 1
-        ticket = (self.count, kind, unit, self.phase, time.monotonic(), step_counts())
+        ticket = (self.count, kind, unit, self.phase, time.monotonic(), self.steps.counts())
         self.last = ticket
         return ticket
 
@@ -155,12 +185,12 @@ class Watchdog:
         with self.lock:
             if self.verdict is None:
                 self.verdict = self._diagnose(ticket, start, err)
-                _park(self.comm.group, works)
+                _park(self.group, works)
         raise DesyncError(self.verdict)
 
     def _diagnose(self, ticket: tuple, start: float, err) -> str:
         now = time.monotonic()
-        rank, world = self.comm.rank, self.comm.world_size
+        rank, world = self.rank, self.world_size
         mine = {"op": self.describe(ticket), "waited": round(now - start, 2),
                 "issued": round(now - ticket[4], 2), "wall": time.time(),
                 "error": _first_line(err) if err is not None else None,
@@ -171,7 +201,7 @@ class Watchdog:
         problem = None
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.set(self.prefix + str(self.comm._ranks[rank]), json.dumps(mine))
+            store.set(self.prefix + str(self.ranks[rank]), json.dumps(mine))
             lost = err is not None and any(k in str(err).lower() for k in _CONNECTION_LOST)
             found, dead = self._read_peers(store, lost)
             entries.update(found)
@@ -211,12 +241,12 @@ class Watchdog:
         dead: dict[int, str] = {}
         start = time.monotonic()
         deadline = start + min(self.timeout_s, PEER_WAIT_S)
-        peers = [p for p in range(self.comm.world_size) if p != self.comm.rank]
+        peers = [p for p in range(self.world_size) if p != self.rank]
         procs: dict[int, dict] = {}
         checked = 0.0
         while True:
             for peer in peers:
-                key = self.prefix + str(self.comm._ranks[peer])
+                key = self.prefix + str(self.ranks[peer])
                 if peer in found or not store.check([key]):
                     continue
                 raw = store.get(key)
@@ -246,7 +276,7 @@ class Watchdog:
     def _gone(self, store, peer: int, procs: dict) -> str | None:
         """Why `peer` is known dead (its announced pid is gone on this host), or None."""
         if peer not in procs:
-            key = self.prefix + f"proc/{self.comm._ranks[peer]}"
+            key = self.prefix + f"proc/{self.ranks[peer]}"
             try:
                 procs[peer] = json.loads(store.get(key)) if store.check([key]) else {}
             except Exception:  # noqa: BLE001 - unknown: keep waiting for its report
@@ -267,9 +297,9 @@ class Watchdog:
     def _let_peers_read(self, store, since: float, peers: list[int]) -> None:
         """Say this rank has read the entries; wait (briefly) until the peers that reported have
         read ours too: rank 0 hosts the store, and once it raises and exits the store is gone."""
-        store.set(self.prefix + f"read/{self.comm._ranks[self.comm.rank]}", repr(time.time()))
+        store.set(self.prefix + f"read/{self.ranks[self.rank]}", repr(time.time()))
         deadline = time.monotonic() + min(self.timeout_s, 10.0)
-        keys = [self.prefix + f"read/{self.comm._ranks[p]}" for p in peers]
+        keys = [self.prefix + f"read/{self.ranks[p]}" for p in peers]
         while keys and time.monotonic() < deadline:
             keys = [k for k in keys if not store.check([k]) or float(store.get(k)) < since - 1]
             if keys:
@@ -305,7 +335,7 @@ class Watchdog:
             except DesyncError:
                 pass
             try:  # release a host thread blocked on the device (NCCL kernels that never end)
-                dist.distributed_c10d._abort_process_group(self.comm.group)
+                dist.distributed_c10d._abort_process_group(self.group)
             except Exception:  # noqa: BLE001 - best effort: the next zeroshard call raises
                 pass
 

@@ -5,7 +5,9 @@ code runs (in program order) where there is no accelerator.
 Ordering rule used everywhere: work moved to a side stream first waits for an event recorded on
 the stream that produced its input; a consumer on the compute stream waits for an event recorded
 on the side stream after the work. Memory handed between streams is kept referenced by its owner
-until that consumer's event, never freed early, so no `record_stream` is needed.
+until that consumer's event, never freed early, so no `record_stream` is needed; where a buffer
+made on a side stream is dropped right after the current stream reads it (qwZ's packed rows,
+decoded once gathered: `core/zeropp/collectives.py`), `keep_until_used` tells the allocator.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class Streams:
         if event is None:
             return
         (stream if stream is not None else torch.accelerator.current_stream(self.device)).wait_event(event)
+
+    def keep_until_used(self, tensor: torch.Tensor) -> None:
+        """`tensor` was made on a side stream and is read by work queued now on the current
+        stream: its memory is not handed out again before that work has run, even if the last
+        reference goes first (the caching allocator's `record_stream`; nothing on CPU)."""
+        if self.active and tensor.device.type != "cpu":
+            tensor.record_stream(torch.accelerator.current_stream(self.device))
 
     @contextlib.contextmanager
     def on(self, name: str):

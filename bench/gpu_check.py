@@ -189,24 +189,24 @@ def release_memory(engine) -> dict:
     """At stage 3: memory_allocated after each unit's release in one forward + backward."""
     import torch
 
-    policy = engine.optimizer.policy
-    if not hasattr(policy, "reshard") or device().type != "cuda":
+    gatherer = getattr(engine.optimizer.policy, "params", None)  # stage 3's ParamGatherer
+    if not hasattr(gatherer, "reshard") or device().type != "cuda":
         return {}
     seen = []
-    original = policy.reshard
+    original = gatherer.reshard
 
     def reshard(index, *args, **kwargs):
         result = original(index, *args, **kwargs)
         seen.append(torch.cuda.memory_allocated())
         return result
 
-    policy.reshard = reshard
+    gatherer.reshard = reshard
     try:
         x, y = batch(5)
         engine.backward(loss_of(engine(x), y))
         engine.zero_grad()
     finally:
-        del policy.reshard
+        del gatherer.reshard
     report = engine.memory_report()
     return {"after_release_min": min(seen, default=None), "after_release_max": max(seen, default=None),
             "releases": len(seen), "shards_on_device": report["params"]["device"]}

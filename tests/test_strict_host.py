@@ -244,7 +244,7 @@ def _undone(module, name, replacement, run):
 
 def _caught(rank, world, root):
     from zeroshard import build as build_module
-    from zeroshard.core import init_units, optim, stage2
+    from zeroshard.core import grad_reducer, init_units, optim
     from zeroshard.offload import nvme_optimizer as nvme_placement
     from zeroshard.offload import optimizer as placements
 
@@ -255,7 +255,7 @@ def _caught(rank, world, root):
         "init": _undone(init_units, "to_device", lambda t, d: t, _build_under_init),
         "buffers": _undone(build_module, "to_device", lambda t, d: t,
                            lambda: _one_step(2, model=WithBuffer())),
-        "landing": _undone(stage2, "to_host", lambda t, *a: t,
+        "landing": _undone(grad_reducer, "to_host", lambda t, *a: t,
                            lambda: _one_step(2, offload_optimizer=cpu)),
         "stage1": _undone(placements, "to_host", lambda t, dtype=None: t.to(dtype or t.dtype),
                           lambda: _one_step(1, offload_optimizer=cpu)),
@@ -329,7 +329,7 @@ def test_gloo_with_device_tensors_runs_on_host_copies(results, what):
 
 @pytest.mark.parametrize("bug,where", [
     ("norm", "all_reduce at optim.py"), ("init", "broadcast at init_units.py"),
-    ("buffers", "broadcast at build.py"), ("landing", "aten.add_.Tensor at stage2.py"),
+    ("buffers", "broadcast at build.py"), ("landing", "aten.add_.Tensor at grad_reducer.py"),
     ("stage1", "aten._fused_adamw_.default at optimizer.py"),
     ("stage1-nvme", "aten._fused_adamw_.default at nvme_optimizer.py")])
 def test_strict_mode_catches_each_bug_it_found(results, bug, where):

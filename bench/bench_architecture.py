@@ -5,7 +5,8 @@ Prints, for the source tree this script runs against (`PYTHONPATH=<tree>/src` pi
   2. the package files one stage-3 training step passes through (forward, backward, step) on rank 0
      of a 2-rank gloo world, and every call edge from dist/ into core/ seen during that step;
   3. the import time of `import zeroshard` on top of an already imported torch (median of 5
-     fresh interpreters).
+     fresh interpreters): wall time, and the CPU time of the importing process (the steadier
+     figure on a loaded machine).
 
     python bench/bench_architecture.py [--json out.json]
 """
@@ -115,13 +116,15 @@ def step_files() -> dict:
     return result
 
 
-def import_seconds(runs: int = 5) -> float:
-    """Median wall time of `import zeroshard` after `import torch`, each in a fresh interpreter."""
-    code = ("import time, torch; t = time.perf_counter(); import zeroshard; "
-            "print(time.perf_counter() - t)")
-    times = [float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                  text=True).stdout) for _ in range(runs)]
-    return statistics.median(times)
+def import_seconds(runs: int = 5) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of `import zeroshard` after `import torch`, each in a fresh
+    interpreter."""
+    code = ("import time, torch; t, c = time.perf_counter(), time.process_time(); "
+            "import zeroshard; print(time.perf_counter() - t, time.process_time() - c)")
+    pairs = [subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                            text=True).stdout.split() for _ in range(runs)]
+    return (statistics.median(float(w) for w, _ in pairs),
+            statistics.median(float(c) for _, c in pairs))
 
 
 def main() -> None:
@@ -133,7 +136,7 @@ def main() -> None:
     core_long = long_classes(pkg / "core")
     all_long = long_classes(pkg)
     steps = step_files()
-    seconds = import_seconds()
+    wall, cpu = import_seconds()
     print(f"package: {pkg}")
     print(f"classes over 250 lines: {len(core_long)} in core, {len(all_long)} in the package")
     for name, size in all_long:
@@ -144,12 +147,13 @@ def main() -> None:
     print(f"calls from dist/ into core/ during the step: {len(steps['dist_to_core'])}")
     for edge in steps["dist_to_core"]:
         print(f"  {edge}")
-    print(f"import zeroshard over torch: {seconds * 1000:.0f} ms (median of 5)")
+    print(f"import zeroshard over torch: {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU "
+          "(medians of 5)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "long_classes_core": core_long, "long_classes": all_long,
             "step_files": steps["files"], "dist_to_core": steps["dist_to_core"],
-            "import_ms": seconds * 1000}, indent=1))
+            "import_ms": wall * 1000, "import_cpu_ms": cpu * 1000}, indent=1))
 
 
 if __name__ == "__main__":

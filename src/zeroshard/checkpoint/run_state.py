@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from ..core.state import jsonable
+from .names import rng_file
 from .verify import CheckpointError, torch_load_verified
 
 
@@ -36,7 +37,7 @@ def scheduler_state(scheduler):
         return jsonable(scheduler.state_dict())
     except TypeError as err:
         warnings.warn(f"zeroshard: LR scheduler state holds a {err} and is not saved; the "
-                      "scheduler restarts from its initial state on load", stacklevel=5)
+                      "scheduler restarts from its initial state on load", stacklevel=8)
         return None
 
 
@@ -59,7 +60,7 @@ def set_rng_state(rng: dict) -> None:
 def read_rng(path: str, rank: int, files: dict | None) -> dict | None:
     """This rank's saved RNG state, tried on scratch generators; None if it saved none (the
     checkpoint came from fewer ranks: this rank keeps its own)."""
-    name = f"rng-rank{rank}.pt"
+    name = rng_file(rank)
     saved = name in files if files is not None else os.path.isfile(os.path.join(path, name))
     if not saved:
         return None

@@ -1,5 +1,6 @@
-"""The run's own state saved beside the model in a checkpoint: RNG states, the LR scheduler, the
-user's `client_state`, and the JSON conversions they need."""
+"""The run's own state as a checkpoint stores it: RNG states, the LR scheduler as JSON, the
+user's `client_state`, and the conversions they need (what is saved of the run, and when it is
+put back, is the engine's `TrainState`, `train_state.py`)."""
 
 from __future__ import annotations
 

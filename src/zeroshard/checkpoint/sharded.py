@@ -10,12 +10,14 @@ for the directory's lock and the temporary names):
   unit, at every stage, and DCP records each fragment's offset, so a loader with other units,
   another world size or another stage reads exactly the ranges it owns. Stage 3's frozen units
   are saved alike, in the compute dtype, under `model.<name>`. These entries come from the
-  optimizer's `ShardedState` (`core/state.py`, a DCP `Stateful`: which fragments, and how they
+  engine's `ShardedState` (`core/state.py`, a DCP `Stateful`: which fragments, and how they
   reach DCP); this package never looks at units, shards or placements. Other frozen parameters
   and buffers are saved whole (`frozen.<name>`, `buffer.<name>`).
 - `zeroshard.json` (rank 0): format version, world size and stage that saved, counters,
   optimizer hyper-parameters and scalar state (e.g. Adam's step) per param group, loss scaler,
-  LR scheduler, and the parameter names/shapes.
+  LR scheduler, sampler epoch, and the parameter names/shapes (counters to sampler epoch: the
+  engine's `TrainState`, `train_state.py`, a DCP `Stateful` too, whose RNG states go into the
+  `rng-rank<r>.pt` files).
 - `rng-rank<r>.pt` per rank, `client_state.pt` (rank 0): plain tensors, lists and numbers, read
   back with `torch.load(weights_only=True)`; a `client_state` that cannot be read back that way is
   refused when saving.

@@ -116,7 +116,8 @@ class ShardedState:
         self.prepare_save()
 
     def prepare_save(self, *, frozen: bool = True) -> None:
-        """The next `state_dict()` gives the entries to save; `frozen`: stage 3's frozen units too."""
+        """The next `state_dict()` gives the entries to save (`frozen`: of stage 3's frozen
+        units too)."""
         self.frozen = frozen
         self.saved_keys = None
         self.groups = None
@@ -125,7 +126,8 @@ class ShardedState:
         #: Muon's momentum read targets by matrix (None: nothing of it is read).
         self._muon_targets: tuple[dict, dict] | None = None
 
-    def prepare_load(self, saved_keys, optimizer_meta=None, *, optimizer_state: bool = True) -> None:
+    def prepare_load(self, saved_keys, optimizer_meta=None, *,
+                     optimizer_state: bool = True) -> None:
         """The next `state_dict()` gives read targets for a checkpoint holding `saved_keys` (its
         DCP keys), whose `optimizer_meta()` was `optimizer_meta`; `optimizer_state` False: the
         weights alone. Stage 3's frozen units read what the checkpoint has of them."""
@@ -172,38 +174,7 @@ class ShardedState:
     def optimizer_meta(self) -> dict:
         """The optimizer's type, and per param group its hyper-parameters, scalar state (e.g.
         Adam's step) and tensor state keys, JSON-ready."""
-        opt = self.opt
-        groups = []
-        for group in opt.optimizer.param_groups:
-            hyper = {}
-            for key, value in group.items():
-                if key == "params":
-                    continue
-                try:
-                    hyper[key] = jsonable(value)
-                except TypeError:
-                    pass  # e.g. a callable: kept from the live optimizer
-            scalars, tensor_keys, order = {}, [], []
-            for unit in self.units:
-                if opt.param_groups[unit.group_index] is not group:
-                    continue
-                master, unit_state = opt.placement.tensors(unit)
-                for key, value in unit_state.items():
-                    if key not in order:
-                        order.append(key)
-                    if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
-                        if key not in tensor_keys:
-                            tensor_keys.append(key)
-                    else:
-                        scalars[key] = {"value": jsonable(value), "dtype": str(value.dtype)
-                                        if torch.is_tensor(value) else None}
-            entry = {"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
-                     "order": order}
-            if opt.muon is not None and opt.muon.started and group.get("use_muon"):
-                # Muon's momentum: whole matrices saved by their owners (core/muon_exchange.py).
-                entry["whole_keys"] = [MOMENTUM_KEY]
-            groups.append(entry)
-        return {"type": self.optimizer_name(), "groups": groups}
+        return {"type": self.optimizer_name(), "groups": _group_meta(self.opt)}
 
     @staticmethod
     def nbytes(entries: dict) -> int:
@@ -330,7 +301,8 @@ class ShardedState:
             # Generators: stage 0 all-gathers each unit's values as the optimizer installs it.
             self.opt.install_loaded(
                 (self._installed(unit, tensors) for unit, tensors in trained),
-                (self._installed_frozen(unit, tensors) for unit, tensors in frozen),
+                ((unit, _frozen_shard(unit, tensors, *self._bounds(unit)))
+                 for unit, tensors in frozen),
                 optimizer_state=self.optimizer_state,
                 muon=None if self._muon_targets is None else self._muon_targets[1],
                 hyper=self._hyper() if self.optimizer_state else None)
@@ -344,26 +316,17 @@ class ShardedState:
                         for key, value in saved["hyper"].items() if key in group})
         return out
 
-    def _full(self, unit, shard: torch.Tensor) -> torch.Tensor:
-        """Owned-sized tensor from this rank's shard: the shard itself, or all-gathered (stage 0)."""
-        opt = self.opt
-        if opt.policy.shards_optimizer:
-            return shard
-        full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
-        opt.comm.all_gather(full, shard)
-        return full
-
     def _installed(self, unit, tensors: dict) -> tuple:
         """`(unit, owned values, optimizer state or None)` of a loaded trained unit: the state in
         the optimizer's own key order (none at all, never stepped, stays absent); None when the
         optimizer state is not loaded."""
-        values = self._full(unit, tensors["model"])
+        values = _full(self.opt, unit, tensors["model"])
         if not self.optimizer_state:
             return unit, values, None
         group_meta = self.groups[unit.group_index]
         fresh = {}
         for key in group_meta["tensor_keys"]:
-            fresh[key] = self._full(unit, tensors[key]).float()
+            fresh[key] = _full(self.opt, unit, tensors[key]).float()
         for key, info in group_meta["scalars"].items():
             value = info["value"]
             if info["dtype"] is not None:
@@ -373,17 +336,61 @@ class ShardedState:
                 fresh[key] = value
         return unit, values, {k: fresh[k] for k in group_meta["order"] if k in fresh}
 
-    def _installed_frozen(self, unit, tensors: dict) -> tuple:
-        """`(unit, owned shard)` of a loaded frozen unit (whole parameters cut to this rank's
-        part first)."""
-        shard = tensors["model"]
-        lo, hi = self._bounds(unit)
-        for slot, whole in tensors["wholes"]:
-            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < end:
-                shard[start - lo:end - lo].copy_(
-                    whole.reshape(-1)[start - slot.offset:end - slot.offset])
-        return unit, shard
+
+def _group_meta(opt) -> list[dict]:
+    """Per param group of `opt` (a ZeroOptimizer): its hyper-parameters, scalar state (e.g.
+    Adam's step), tensor state keys and state key order, JSON-ready."""
+    groups = []
+    for group in opt.optimizer.param_groups:
+        hyper = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            try:
+                hyper[key] = jsonable(value)
+            except TypeError:
+                pass  # e.g. a callable: kept from the live optimizer
+        scalars, tensor_keys, order = {}, [], []
+        for unit in opt.units:
+            if opt.param_groups[unit.group_index] is not group:
+                continue
+            master, unit_state = opt.placement.tensors(unit)
+            for key, value in unit_state.items():
+                if key not in order:
+                    order.append(key)
+                if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
+                    if key not in tensor_keys:
+                        tensor_keys.append(key)
+                else:
+                    scalars[key] = {"value": jsonable(value), "dtype": str(value.dtype)
+                                    if torch.is_tensor(value) else None}
+        entry = {"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
+                 "order": order}
+        if opt.muon is not None and opt.muon.started and group.get("use_muon"):
+            # Muon's momentum: whole matrices saved by their owners (core/muon_exchange.py).
+            entry["whole_keys"] = [MOMENTUM_KEY]
+        groups.append(entry)
+    return groups
+
+
+def _full(opt, unit, shard: torch.Tensor) -> torch.Tensor:
+    """Owned-sized tensor from this rank's shard: the shard itself, or all-gathered (stage 0)."""
+    if opt.policy.shards_optimizer:
+        return shard
+    full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
+    opt.comm.all_gather(full, shard)
+    return full
+
+
+def _frozen_shard(unit, tensors: dict, lo: int, hi: int) -> torch.Tensor:
+    """A loaded frozen unit's shard `[lo, hi)`, whole parameters read cut to it first."""
+    shard = tensors["model"]
+    for slot, whole in tensors["wholes"]:
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < end:
+            shard[start - lo:end - lo].copy_(
+                whole.reshape(-1)[start - slot.offset:end - slot.offset])
+    return shard
 
 
 def _take(target: torch.Tensor, given) -> None:

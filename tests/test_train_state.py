@@ -80,10 +80,11 @@ def test_train_state_puts_back_only_what_it_is_given():
 def _engine_case(rank, world, root):
     import zeroshard
     from zeroshard.core.optim import ZeroOptimizer
+    from zeroshard.core.state import ShardedState
 
     made, installs = [], []
-    make, install = ZeroOptimizer.sharded_state, ZeroOptimizer.install_loaded
-    ZeroOptimizer.sharded_state = lambda self: made.append(make(self)) or made[-1]
+    make, install = ShardedState.__init__, ZeroOptimizer.install_loaded
+    ShardedState.__init__ = lambda self, opt: made.append(1) or make(self, opt)
     ZeroOptimizer.install_loaded = lambda self, *a, **k: installs.append(1) or install(self, *a, **k)
     try:
         model = make_model()
@@ -103,7 +104,7 @@ def _engine_case(rank, world, root):
         return {"counted": counted, "delegated": delegated, "restored": engine.global_steps,
                 "made": len(made), "installs": len(installs)}
     finally:
-        ZeroOptimizer.sharded_state, ZeroOptimizer.install_loaded = make, install
+        ShardedState.__init__, ZeroOptimizer.install_loaded = make, install
 
 
 def test_engine_owns_its_train_state_and_one_sharded_state(tmp_path):

@@ -345,9 +345,10 @@ class Engine(nn.Module):
         """What checkpoint/ saves and loads: the module, the world, the stage, the TrainState and
         the (one) ShardedState."""
         from .checkpoint.names import Parts
+        from .core.state import ShardedState
 
         if self._shards is None:
-            self._shards = self.optimizer.sharded_state()
+            self._shards = ShardedState(self.optimizer)
         return Parts(module=self.module, comm=self.comm, stage=self.zero_optimization_stage(),
                      train=self.train_state, shards=self._shards)
 

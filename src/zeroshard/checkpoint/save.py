@@ -111,7 +111,7 @@ def _write(parts: Parts, save_dir, tag, partial, final, client_bytes, save_lates
     world, rank = comm.world_size, comm.rank
     keep_frozen = not exclude_frozen
     # This rank's fragments of the masters and optimizer state (and of stage 3's frozen units,
-    # in the compute dtype, under model.<name> alike) come from the optimizer's ShardedState.
+    # in the compute dtype, under model.<name> alike) come from the engine's ShardedState.
     sharded.prepare_save(frozen=keep_frozen)
     state: dict[str, object] = dict(sharded.state_dict())
     optimizer_meta = sharded.optimizer_meta()
@@ -136,12 +136,12 @@ def _write(parts: Parts, save_dir, tag, partial, final, client_bytes, save_lates
                                                        needed), prefix="save_checkpoint: ")
         raise CheckpointError(f"save_checkpoint: writing {partial} failed: "
                               f"{str(err).splitlines()[0][:300]}") from None
-    # The run's state (counters, scaler, scheduler, sampler epoch; this rank's RNG) as of now.
-    train = parts.train.state_dict()
     rng_name = rng_file(rank)
     mine, error, data = [rng_name], None, {}
     current = os.path.join(partial, rng_name)
     try:
+        # The run's state (counters, scaler, scheduler, sampler epoch; this rank's RNG) as of now.
+        train = parts.train.state_dict()
         write_file(current, _serialized(train["rng"]))
         storage = getattr(saved, "storage_data", None)
         if storage is None:  # torch 2.11 returns the metadata without it: read what rank 0 wrote

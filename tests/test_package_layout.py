@@ -23,7 +23,7 @@ LAYERS = {
     "offload": 2, "checkpoint": 2, "sizing": 2,
     "activations": 2,  # deepspeed.checkpointing on torch.utils.checkpoint
     "monitor": 3,  # what the engine reports (writers, throughput, timers); core must not import it
-    "engine": 3, "schedulers": 3, "build": 3,
+    "engine": 3, "schedulers": 3, "build": 3, "train_state": 3,
     # compat/: everything that imitates another library (DeepSpeed, Accelerate, Hugging Face,
     # Lightning). Nothing below this layer imports it; core reaches the Hugging Face init walk
     # through core.init.register_library_hooks, wired in __init__.

@@ -27,29 +27,44 @@ from .core.optim import ZeroOptimizer
 from .activations.checkpointing import use_engine_config
 from .monitor import MonitorMaster, TrainingWatch
 from .core.user_backward import UserBackward
+from .train_state import TrainState
 
 PLACEMENTS = ("device", "cpu", "nvme")
 
 
+def _kept(name: str, doc: str) -> property:
+    """An engine attribute kept in its TrainState (which checkpoints save and load)."""
+    return property(lambda self: getattr(self.train_state, name),
+                    lambda self, value: setattr(self.train_state, name, value), doc=doc)
+
+
 class Engine(nn.Module):
     """Wraps the user's model: forward, backward, step, ledgers (DeepSpeed's engine API)."""
+
+    global_steps = _kept("global_steps", "Boundaries reached: optimizer steps, skipped included.")
+    global_samples = _kept("global_samples", "Samples trained on, over all ranks.")
+    micro_steps = _kept("micro_steps", "Micro-steps (step() calls) taken.")
+    skipped_steps = _kept("skipped_steps", "Boundaries whose optimizer step was skipped.")
+    lr_scheduler = _kept("lr_scheduler", "The LR scheduler stepped after each applied step.")
+    training_dataloader = _kept("dataloader", "The DataLoader initialize() built, or None.")
 
     def __init__(self, module: nn.Module, optimizer: ZeroOptimizer, config: ZeroConfig,
                  comm: Comm, lr_scheduler=None, device: torch.device | None = None):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
+        #: Counters, LR scheduler, DataLoader, loss scaler, RNG: what checkpoints save of the run.
+        self.train_state = TrainState(optimizer, lr_scheduler,
+                                      config.gradient_accumulation_steps)
+        #: This rank's shards as checkpoints save them (core/state.ShardedState), made at the
+        #: first save or load (it imports torch.distributed.checkpoint) and reused.
+        self._shards = None
         self._config = config
         self.comm = comm
         self.device = device or torch.device("cpu")
         self.scaler = optimizer.scaler
         #: Built without an optimizer (core/no_optimizer.py): forward only.
         self.inference_only = is_placeholder(optimizer.optimizer)
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
         self._boundary_override: bool | None = None
         #: DeepSpeed's `managed_gradient_accumulation`: False, the caller's step() is the boundary.
         self._managed = config.managed_gradient_accumulation
@@ -59,7 +74,6 @@ class Engine(nn.Module):
         #: DeepSpeed's flag: gradients are averaged (gradient_allreduce_op "mean"), not summed.
         self.gradient_average = config.gradient_allreduce_op == "mean"
         self._user_backward = UserBackward(self)
-        self.training_dataloader = None
         #: DeepSpeed's throughput timer (DeepSpeed-Chat reads it): monitor/timers.py.
         self.tput_timer = ThroughputTimer(self)
         self.compute_dtype = _compute_dtype(config)
@@ -326,15 +340,26 @@ class Engine(nn.Module):
         """
         return self.comm.report()
 
-    # -- checkpoints (checkpoint.py) ---------------------------------------------------------------
+    # -- checkpoints (checkpoint/) -----------------------------------------------------------------
+    def _checkpoint_parts(self):
+        """What checkpoint/ saves and loads: the module, the world, the stage, the TrainState and
+        the (one) ShardedState."""
+        from .checkpoint.names import Parts
+        from .core.state import ShardedState
+
+        if self._shards is None:
+            self._shards = ShardedState(self.optimizer)
+        return Parts(module=self.module, comm=self.comm, stage=self.zero_optimization_stage(),
+                     train=self.train_state, shards=self._shards)
+
     def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> str:
         """Write a sharded checkpoint (every rank calls it); any world size and stage can load it."""
         from .checkpoint.sharded import save_checkpoint
 
         with self.comm.phase("save_checkpoint"):
-            return save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                   exclude_frozen=exclude_frozen_parameters)
+            return save_checkpoint(self._checkpoint_parts(), save_dir, tag, client_state,
+                                   save_latest, exclude_frozen=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -345,9 +370,9 @@ class Engine(nn.Module):
         from .checkpoint.sharded import load_checkpoint
 
         with self.comm.phase("load_checkpoint"):
-            return load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                   load_lr_scheduler_states, load_module_only,
-                                   strict=load_module_strict)
+            return load_checkpoint(self._checkpoint_parts(), load_dir, tag,
+                                   load_optimizer_states, load_lr_scheduler_states,
+                                   load_module_only, strict=load_module_strict)
 
     # -- torch.compile -----------------------------------------------------------------------------
     def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None,

@@ -5,9 +5,11 @@ failure messages: `directory.py`), the checks that make a load all or nothing (`
 (`safetensors_file.py`). DeepSpeed's checkpoints are read (`deepspeed_read.py`, installed by
 `portable_load.py` when `load_checkpoint` finds DeepSpeed's files and not zeroshard's), written
 (`deepspeed_write.py`) and converted (`convert.py`); `recovery.py` is the `zero_to_fp32.py` every
-save writes (`recovery_script.py`). What each rank saves of the model and optimizer, and how a
-load installs it, is the optimizer's `ShardedState` (`core/state.py`); this package never touches
-its units, stage policy or placement."""
+save writes (`recovery_script.py`). Save and load take what the engine hands them
+(`names.Parts`), never the engine: what each rank saves of the model and optimizer, and how a load
+installs it, is its `ShardedState` (`core/state.py`; this package never touches its units, stage
+policy or placement), and the run's counters, loss scaler, LR scheduler, sampler and RNG are its
+`TrainState` (`train_state.py`)."""
 
 from .sharded import load_checkpoint, save_checkpoint  # noqa: F401
 from .verify import CheckpointError  # noqa: F401

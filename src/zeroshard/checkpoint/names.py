@@ -1,11 +1,13 @@
-"""What saving (`save.py`) and loading (`sharded.py`) share: the format version, the names of a
-checkpoint's small files, and three helpers."""
+"""What saving (`save.py`) and loading (`sharded.py`, `portable_load.py`) share: the format
+version, the names of a checkpoint's small files, what the engine hands over (`Parts`), and two
+helpers."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import warnings
+from typing import Any, NamedTuple
 
 FORMAT = 1  # "files" and "content_sha256" were added without a bump: older readers ignore them
 META = "zeroshard.json"
@@ -24,11 +26,24 @@ def quiet_dcp():
         yield
 
 
-def sampler_of(engine):
-    """The DistributedSampler of the DataLoader initialize() built, if any."""
-    loader = getattr(engine, "training_dataloader", None)
-    sampler = getattr(loader, "sampler", None)
-    return sampler if hasattr(sampler, "set_epoch") else None
+def rng_file(rank: int) -> str:
+    """The name of rank `rank`'s RNG file."""
+    return f"rng-rank{rank}.pt"
+
+
+class Parts(NamedTuple):
+    """What the engine hands a save or a load (never the engine itself)."""
+
+    #: The wrapped model: parameters outside the units, buffers, names, a transformers config.
+    module: Any
+    #: The data-parallel world (zeroshard.dist.Comm).
+    comm: Any
+    #: The ZeRO stage, recorded in zeroshard.json.
+    stage: int
+    #: Counters, loss scaler, LR scheduler, sampler, RNG (zeroshard.train_state.TrainState).
+    train: Any
+    #: This rank's masters and optimizer state (core/state.ShardedState), one per engine.
+    shards: Any
 
 
 def unknown_format(path: str) -> str:

@@ -20,16 +20,17 @@ import torch
 
 from ..core.keys import MODEL, buffer_key, frozen_key, model_key, name_of, optim_key
 from ..core.layout import plain_named
+from .names import Parts
 from .portable import Portable
 from .verify import CheckpointError, agree, strict_mismatch
 
 __all__ = ["load_deepspeed", "install"]
 
 
-def load_deepspeed(engine, load_dir: str, tag: str, load_optimizer_states: bool = True,
+def load_deepspeed(parts: Parts, load_dir: str, tag: str, load_optimizer_states: bool = True,
                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                    strict: bool = True):
-    """Load DeepSpeed checkpoint `load_dir/tag` into `engine` (every rank calls it); returns
+    """Load DeepSpeed checkpoint `load_dir/tag` into `parts` (every rank calls it); returns
     `(path, client_state)` with client_state as DeepSpeed's load_checkpoint returns it (the
     model states' keys DeepSpeed does not consume itself, the user's among them)."""
     from .deepspeed_read import DeepSpeedCheckpoint  # noqa: PLC0415
@@ -38,49 +39,50 @@ def load_deepspeed(engine, load_dir: str, tag: str, load_optimizer_states: bool 
     with_optim = load_optimizer_states and not load_module_only
     ckpt = None
     try:
-        ckpt = DeepSpeedCheckpoint(path, group_names=_engine_group_names(engine))
-        check(engine, ckpt, with_optim, strict)
+        ckpt = DeepSpeedCheckpoint(path, group_names=_group_names(parts))
+        check(parts, ckpt, with_optim, strict)
         error = None
     except CheckpointError as err:
         error = str(err)
     except Exception as err:  # noqa: BLE001 - every rank must reach the agreement regardless
         error = f"reading DeepSpeed checkpoint {path} failed: {type(err).__name__}: {err}"
-    agree(engine.comm, error)
+    agree(parts.comm, error)
     try:
-        install(engine, ckpt, with_optim, not load_module_only, load_lr_scheduler_states)
+        install(parts, ckpt, with_optim, not load_module_only, load_lr_scheduler_states)
     except Exception as err:  # an I/O error reading a partition: the checks had passed
         raise CheckpointError(
             f"could not load {path} after checking it ({type(err).__name__}: {err}); master "
             "weights and optimizer state may be partly overwritten: load a checkpoint again "
             "before training") from None
-    engine.comm.barrier()
+    parts.comm.barrier()
     return path, ckpt.deepspeed_client_state(load_optimizer_states, load_lr_scheduler_states,
                                              load_module_only)
 
 
-def _trained(engine) -> dict[str, dict]:
-    """This engine's trained parameters: `{name: {"shape", "group"}}`."""
-    return {n: m for n, m in engine.optimizer.sharded_state().param_meta().items()
-            if m["group"] >= 0}
+def _trained(parts: Parts) -> dict[str, dict]:
+    """The loading engine's trained parameters: `{name: {"shape", "group"}}`."""
+    return {n: m for n, m in parts.shards.param_meta().items() if m["group"] >= 0}
 
 
-def _engine_group_names(engine) -> list[list[str]]:
+def _group_names(parts: Parts) -> list[list[str]]:
     """Per optimizer param group, its trained parameters in the module's order."""
-    trained = _trained(engine)
-    out: list[list[str]] = [[] for _ in engine.optimizer.param_groups]
-    for name, _ in plain_named(engine.module.named_parameters()):
+    trained = _trained(parts)
+    out: list[list[str]] = [[] for _ in range(parts.shards.group_count())]
+    for name, _ in plain_named(parts.module.named_parameters()):
         if name in trained:
             out[trained[name]["group"]].append(name)
     return out
 
 
-def check(engine, ckpt: Portable, with_optim: bool, strict: bool) -> None:
-    """CheckpointError unless `ckpt` fits `engine`: every trained parameter saved with its shape
-    (with optimizer state: in the same param group); with `strict`, nothing on one side only."""
+def check(parts: Parts, ckpt: Portable, with_optim: bool, strict: bool) -> None:
+    """CheckpointError unless `ckpt` fits the engine's `parts`: every trained parameter saved
+    with its shape (with optimizer state: in the same param group); with `strict`, nothing on
+    one side only."""
     where = ckpt.path
-    trained = _trained(engine)
+    trained = _trained(parts)
+    module = parts.module
     if with_optim:
-        count = len(engine.optimizer.param_groups)
+        count = parts.shards.group_count()
         if ckpt.groups is None:
             why = ckpt.extra.get("no_optimizer_state") or f"{where} holds no optimizer state"
             raise CheckpointError(f"{why}; load_optimizer_states=False loads the weights alone")
@@ -107,11 +109,11 @@ def check(engine, ckpt: Portable, with_optim: bool, strict: bool) -> None:
                                   "build the optimizer's param groups as when saving, or pass "
                                   "load_optimizer_states=False")
     if strict:
-        names = {n for n, _ in plain_named(engine.module.named_parameters())}
-        buffers = {n for n, _ in plain_named(engine.module.named_buffers())}
+        names = {n for n, _ in plain_named(module.named_parameters())}
+        buffers = {n for n, _ in plain_named(module.named_buffers())}
         extra = sorted((set(ckpt.params) | set(ckpt.frozen)) - names)
         extra += sorted(set(ckpt.buffers) - buffers)
-        persistent = set(engine.module.state_dict().keys())
+        persistent = set(module.state_dict().keys())
         lacking = sorted(b for b in buffers - set(ckpt.buffers) if b in persistent)
         strict_mismatch(where, extra, lacking)
 
@@ -137,13 +139,14 @@ class _OnDemand(dict):
         return self._ckpt.tensor(key)
 
 
-def install(engine, ckpt: Portable, with_optim: bool, with_engine: bool,
+def install(parts: Parts, ckpt: Portable, with_optim: bool, with_train: bool,
             load_lr_scheduler_states: bool) -> None:
-    """Write `ckpt` (checked by `check`) into `engine`: masters, parameters, optimizer state,
-    untrained parameters and buffers; `with_engine`: also counters, loss scaler, LR scheduler."""
-    opt = engine.optimizer
+    """Write `ckpt` (checked by `check`) into the engine's `parts`: masters, parameters,
+    optimizer state, untrained parameters and buffers; `with_train`: also counters, loss scaler,
+    LR scheduler (a DeepSpeed save has no RNG state)."""
+    sharded = parts.shards
     keys = set()
-    for name, meta in opt.sharded_state().param_meta().items():
+    for name, meta in sharded.param_meta().items():
         trained = meta["group"] >= 0
         if name in ckpt.params or (trained and name in ckpt.frozen):
             keys.add(model_key(name))
@@ -153,37 +156,26 @@ def install(engine, ckpt: Portable, with_optim: bool, with_engine: bool,
         elif name in ckpt.frozen:  # stage 3's untrained units read their whole saved values
             keys.add(frozen_key(name))
     meta = {"type": ckpt.optimizer_type, "groups": ckpt.groups} if with_optim else None
-    sharded = opt.sharded_state(saved_keys=keys, optimizer_meta=meta, optimizer_state=with_optim)
+    sharded.prepare_load(keys, meta, optimizer_state=with_optim)
     sharded.state_dict()  # builds the read targets, writing nothing yet
     with torch.no_grad():  # the masters are leaves that require grad; copied into here
         sharded.load_state_dict(_OnDemand(ckpt, keys))
     in_units = {id(p) for _, p in sharded.named_parameters()}
     with torch.no_grad():
-        for name, param in plain_named(engine.module.named_parameters()):
+        for name, param in plain_named(parts.module.named_parameters()):
             if id(param) in in_units:
                 continue
             if name in ckpt.frozen:
                 param.copy_(ckpt.tensor(frozen_key(name)))
             elif name in ckpt.params:
                 param.copy_(ckpt.tensor(model_key(name)))
-        for name, buf in plain_named(engine.module.named_buffers()):
+        for name, buf in plain_named(parts.module.named_buffers()):
             if name in ckpt.buffers:
                 buf.copy_(ckpt.tensor(buffer_key(name)))
-    if with_engine:
-        _restore_engine(engine, ckpt, load_lr_scheduler_states)
+    if with_train:
+        train = parts.train
+        train.load_state_dict({
+            "counters": ckpt.counters,
+            "scaler": ckpt.scaler if train.scaler.enabled else None,
+            "lr_scheduler": ckpt.lr_scheduler if load_lr_scheduler_states else None})
 
-
-def _restore_engine(engine, ckpt: Portable, load_lr_scheduler_states: bool) -> None:
-    """Counters, fp16 loss scaler and LR scheduler as saved (a DeepSpeed save has no RNG state)."""
-    counters = ckpt.counters
-    engine.global_steps = counters["global_steps"]
-    engine.global_samples = counters["global_samples"]
-    engine.skipped_steps = counters["skipped_steps"]
-    steps = counters["global_steps"]
-    engine.micro_steps = counters.get("micro_steps", steps * engine.gradient_accumulation_steps())
-    engine.optimizer.steps = counters.get("optimizer_steps", counters["global_steps"])
-    if ckpt.scaler is not None and engine.scaler.enabled:
-        engine.scaler.load_state_dict(ckpt.scaler)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and \
-            ckpt.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(ckpt.lr_scheduler)

@@ -1,5 +1,6 @@
-"""The run's own state saved beside the model in a checkpoint: RNG states, the LR scheduler, the
-user's `client_state`, and the JSON conversions they need."""
+"""The run's own state as a checkpoint stores it: RNG states, the LR scheduler as JSON, the
+user's `client_state`, and the conversions they need (what is saved of the run, and when it is
+put back, is the engine's `TrainState`, `train_state.py`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import warnings
 import torch
 
 from ..core.state import jsonable
+from .names import rng_file
 from .verify import CheckpointError, torch_load_verified
 
 
@@ -36,7 +38,7 @@ def scheduler_state(scheduler):
         return jsonable(scheduler.state_dict())
     except TypeError as err:
         warnings.warn(f"zeroshard: LR scheduler state holds a {err} and is not saved; the "
-                      "scheduler restarts from its initial state on load", stacklevel=5)
+                      "scheduler restarts from its initial state on load", stacklevel=8)
         return None
 
 
@@ -59,7 +61,7 @@ def set_rng_state(rng: dict) -> None:
 def read_rng(path: str, rank: int, files: dict | None) -> dict | None:
     """This rank's saved RNG state, tried on scratch generators; None if it saved none (the
     checkpoint came from fewer ranks: this rank keeps its own)."""
-    name = f"rng-rank{rank}.pt"
+    name = rng_file(rank)
     saved = name in files if files is not None else os.path.isfile(os.path.join(path, name))
     if not saved:
         return None

@@ -34,29 +34,30 @@ from ..dist.process_group import step_counts
 from ..dist.steps import describe_step_counts
 from .directory import (describe_failure, describe_os_error, own_directory, partial_name,
                         release_directory, remove_leftovers, write_file, writer_id)
-from .names import CLIENT, CONFIG, FORMAT, LATEST, META, quiet_dcp, sampler_of
+from .names import CLIENT, CONFIG, FORMAT, LATEST, META, Parts, quiet_dcp, rng_file
 from .recovery_script import write_script
-from .run_state import check_client_state, rng_state, scheduler_state
+from .run_state import check_client_state
 from .verify import CheckpointError, _ranks, agree, gather_digests, owner, seal
 
 __all__ = ["save_checkpoint"]
 
 
-def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=None,
+def save_checkpoint(parts: Parts, save_dir: str, tag: str | None = None, client_state=None,
                     save_latest: bool = True, exclude_frozen: bool = False) -> str:
-    """Write this rank's part of a checkpoint (every rank calls it); returns the tag's path."""
+    """Write this rank's part of a checkpoint of `parts` (every rank calls it); returns the
+    tag's path."""
     with host_region():  # strict host mode: offloaded state stays apart from device memory
-        return _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
+        return _save(parts, save_dir, tag, client_state, save_latest, exclude_frozen)
 
 
-def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> str:
-    comm = engine.comm
+def _save(parts: Parts, save_dir, tag, client_state, save_latest, exclude_frozen) -> str:
+    comm = parts.comm
     if save_dir is None or not os.fspath(save_dir):
         # "" would otherwise normalize to the working directory and write a checkpoint there.
         # Every rank is handed the same argument, so every rank refuses before any collective.
         raise ValueError(f"save_checkpoint: save_dir is {save_dir!r}; name the directory to "
                          "write the checkpoint into (it is created if missing)")
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = str(tag if tag is not None else f"global_step{parts.train.global_steps}")
     save_dir = os.path.normpath(os.fspath(save_dir))
     try:
         client_bytes, client_error = check_client_state(client_state if client_state is not None
@@ -95,7 +96,7 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, partial_name(tag, views[0][5]))  # rank 0's name
     try:
-        return _write(engine, save_dir, tag, partial, final, client_bytes, save_latest,
+        return _write(parts, save_dir, tag, partial, final, client_bytes, save_latest,
                       exclude_frozen)
     except BaseException:
         if comm.rank == 0:  # every rank is past its writes when an agreed error gets here
@@ -103,25 +104,27 @@ def _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> s
         raise
 
 
-def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exclude_frozen):
+def _write(parts: Parts, save_dir, tag, partial, final, client_bytes, save_latest,
+           exclude_frozen):
     """Write every file into `partial`, agree, then move it into place and point `latest` at it;
     every failure is one CheckpointError on every rank (module docstring)."""
-    opt, comm = engine.optimizer, engine.comm
+    comm, module, sharded = parts.comm, parts.module, parts.shards
     world, rank = comm.world_size, comm.rank
+    keep_frozen = not exclude_frozen
     # This rank's fragments of the masters and optimizer state (and of stage 3's frozen units,
-    # in the compute dtype, under model.<name> alike) come from the optimizer's ShardedState.
-    sharded = opt.sharded_state(frozen=not exclude_frozen)
+    # in the compute dtype, under model.<name> alike) come from the engine's ShardedState.
+    sharded.prepare_save(frozen=keep_frozen)
     state: dict[str, object] = dict(sharded.state_dict())
     optimizer_meta = sharded.optimizer_meta()
-    params = sharded.param_meta()
+    params = sharded.param_meta(frozen=keep_frozen)
     whole: dict[str, object] = {}
-    if not exclude_frozen:
+    if keep_frozen:
         in_units = {id(p) for _, p in sharded.named_parameters()}
         whole.update({frozen_key(name): param.detach()
-                      for name, param in plain_named(engine.module.named_parameters())
+                      for name, param in plain_named(module.named_parameters())
                       if id(param) not in in_units})
     whole.update({buffer_key(name): buf.detach()
-                  for name, buf in plain_named(engine.module.named_buffers())})
+                  for name, buf in plain_named(module.named_buffers())})
     state.update(whole)
     needed = sharded.nbytes(state) + (_bytes_of(whole) if rank == 0 else 0)
     try:
@@ -134,11 +137,13 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
                                                        needed), prefix="save_checkpoint: ")
         raise CheckpointError(f"save_checkpoint: writing {partial} failed: "
                               f"{str(err).splitlines()[0][:300]}") from None
-    rng_name = f"rng-rank{rank}.pt"
+    rng_name = rng_file(rank)
     mine, error, data = [rng_name], None, {}
     current = os.path.join(partial, rng_name)
     try:
-        write_file(current, _serialized(rng_state()))
+        # The run's state (counters, scaler, scheduler, sampler epoch; this rank's RNG) as of now.
+        train = parts.train.state_dict()
+        write_file(current, _serialized(train["rng"]))
         storage = getattr(saved, "storage_data", None)
         if storage is None:  # torch 2.11 returns the metadata without it: read what rank 0 wrote
             current = os.path.join(partial, ".metadata")
@@ -151,7 +156,7 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
         if rank == 0:
             current = os.path.join(partial, CLIENT)
             write_file(current, client_bytes)
-            config = getattr(engine.module, "config", None)
+            config = getattr(module, "config", None)
             if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained needs it
                 current = os.path.join(partial, CONFIG)
                 config.to_json_file(current)
@@ -166,16 +171,14 @@ def _write(engine, save_dir, tag, partial, final, client_bytes, save_latest, exc
     if rank == 0:
         meta = {
             "format": FORMAT, "tag": tag, "world_size": world,
-            "stage": engine.zero_optimization_stage(),
-            "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-                         "optimizer_steps": opt.steps},
+            "stage": parts.stage,
+            "counters": train["counters"],
             "optimizer": optimizer_meta,
-            "scaler": engine.scaler.state_dict(),
-            "lr_scheduler": scheduler_state(engine.lr_scheduler),
+            "scaler": train["scaler"],
+            "lr_scheduler": train["lr_scheduler"],
             "params": params,
-            "state_dict": _state_dict_map(engine, exclude_frozen),
-            "sampler_epoch": getattr(sampler_of(engine), "epoch", None),
+            "state_dict": _state_dict_map(module, sharded, exclude_frozen),
+            "sampler_epoch": train["sampler_epoch"],
             "files": dict(sorted(files.items())),
         }
         error = _finish(save_dir, tag, partial, final,
@@ -290,16 +293,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _state_dict_map(engine, exclude_frozen: bool) -> dict[str, str]:
+def _state_dict_map(module, sharded, exclude_frozen: bool) -> dict[str, str]:
     """`module.state_dict()` key -> the saved entry holding it (tied weights share one)."""
-    sharded = engine.optimizer.sharded_state(frozen=not exclude_frozen)
-    saved_name = {id(p): model_key(name) for name, p in sharded.named_parameters()}
+    saved_name = {id(p): model_key(name)
+                  for name, p in sharded.named_parameters(frozen=not exclude_frozen)}
     # Plain names (`_orig_mod.` dropped): a compiled model's checkpoint loads into a plain one.
-    for name, param in plain_named(engine.module.named_parameters()):
+    for name, param in plain_named(module.named_parameters()):
         if id(param) not in saved_name and not exclude_frozen:
             saved_name[id(param)] = frozen_key(name)
-    for name, buf in plain_named(engine.module.named_buffers()):
+    for name, buf in plain_named(module.named_buffers()):
         saved_name.setdefault(id(buf), buffer_key(name))
     return {key: saved_name[id(t)]
-            for key, t in plain_named(engine.module.state_dict(keep_vars=True).items())
+            for key, t in plain_named(module.state_dict(keep_vars=True).items())
             if id(t) in saved_name}

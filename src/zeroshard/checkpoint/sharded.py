@@ -10,12 +10,14 @@ for the directory's lock and the temporary names):
   unit, at every stage, and DCP records each fragment's offset, so a loader with other units,
   another world size or another stage reads exactly the ranges it owns. Stage 3's frozen units
   are saved alike, in the compute dtype, under `model.<name>`. These entries come from the
-  optimizer's `ShardedState` (`core/state.py`, a DCP `Stateful`: which fragments, and how they
+  engine's `ShardedState` (`core/state.py`, a DCP `Stateful`: which fragments, and how they
   reach DCP); this package never looks at units, shards or placements. Other frozen parameters
   and buffers are saved whole (`frozen.<name>`, `buffer.<name>`).
 - `zeroshard.json` (rank 0): format version, world size and stage that saved, counters,
   optimizer hyper-parameters and scalar state (e.g. Adam's step) per param group, loss scaler,
-  LR scheduler, and the parameter names/shapes.
+  LR scheduler, sampler epoch, and the parameter names/shapes (counters to sampler epoch: the
+  engine's `TrainState`, `train_state.py`, a DCP `Stateful` too, whose RNG states go into the
+  `rng-rank<r>.pt` files).
 - `rng-rank<r>.pt` per rank, `client_state.pt` (rank 0): plain tensors, lists and numbers, read
   back with `torch.load(weights_only=True)`; a `client_state` that cannot be read back that way is
   refused when saving.
@@ -48,8 +50,8 @@ from ..dist.hostmem import host_region
 from ..core.keys import BUFFER, FROZEN, buffer_key, frozen_key, model_key, named
 from ..core.layout import plain_named
 from .directory import describe_failure
-from .names import CLIENT, FORMAT, LATEST, META, quiet_dcp, sampler_of, unknown_format
-from .run_state import read_rng, set_rng_state
+from .names import CLIENT, FORMAT, LATEST, META, Parts, quiet_dcp, unknown_format
+from .run_state import read_rng
 from .verify import (CheckpointError, SafeReader, agree, read_meta, strict_mismatch,
                      torch_load_verified)
 
@@ -58,12 +60,13 @@ __all__ = ["CheckpointError", "SafeReader", "load_checkpoint", "quiet_dcp", "res
 
 # -- save (save.py) ----------------------------------------------------------------------------
 
-def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state=None,
+def save_checkpoint(parts: Parts, save_dir: str, tag: str | None = None, client_state=None,
                     save_latest: bool = True, exclude_frozen: bool = False) -> str:
-    """Write this rank's part of a checkpoint (every rank calls it); returns the tag's path."""
+    """Write this rank's part of a checkpoint of `parts` (every rank calls it); returns the
+    tag's path."""
     from .save import save_checkpoint as save
 
-    return save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
+    return save(parts, save_dir, tag, client_state, save_latest, exclude_frozen)
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -91,10 +94,11 @@ def _find_tag(load_dir: str, tag: str | None) -> str | None:
     return found
 
 
-def load_checkpoint(engine, load_dir: str, tag: str | None = None,
+def load_checkpoint(parts: Parts, load_dir: str, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, strict: bool = True):
-    """Load a checkpoint saved at any world size and stage; returns `(path, client_state)`.
+    """Load a checkpoint saved at any world size and stage into `parts`; returns
+    `(path, client_state)`.
     `strict`: a parameter or buffer the checkpoint has and the model lacks, or a buffer the model
     has and the checkpoint lacks, is a CheckpointError (frozen parameters left out by
     `exclude_frozen_parameters` keep their values either way).
@@ -106,11 +110,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None,
     checksums (older zeroshard) load with the size checks only.
     """
     with host_region():  # strict host mode: offloaded state stays apart from device memory
-        return _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+        return _load(parts, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                      load_module_only, strict)
 
 
-def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+def _load(parts: Parts, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
           load_module_only, strict):
     tag = _find_tag(load_dir, tag)
     if tag is None:
@@ -122,12 +126,12 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
         if is_deepspeed(path):  # DeepSpeed's files, not zeroshard's: read them whole per tensor
             from .portable_load import load_deepspeed  # noqa: PLC0415
 
-            return load_deepspeed(engine, load_dir, tag, load_optimizer_states,
+            return load_deepspeed(parts, load_dir, tag, load_optimizer_states,
                                   load_lr_scheduler_states, load_module_only, strict)
-    comm = engine.comm
+    comm = parts.comm
     with_optim = load_optimizer_states and not load_module_only
     try:
-        checked, error = _check(engine, load_dir, tag, with_optim, not load_module_only,
+        checked, error = _check(parts, load_dir, tag, with_optim, not load_module_only,
                                 strict), None
     except CheckpointError as err:
         checked, error = None, str(err)
@@ -148,22 +152,25 @@ def _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states
             "again before training") from None
     # Masters, parameters, optimizer state and hyper-parameters; the stage's parameters whole again.
     sharded.load_state_dict(state)
-    if not load_module_only:
-        _restore_engine(engine, meta, rng, load_lr_scheduler_states)
+    if not load_module_only:  # counters, loss scaler, LR scheduler, sampler epoch and RNG
+        parts.train.load_state_dict({
+            "counters": meta["counters"], "scaler": meta["scaler"],
+            "lr_scheduler": meta.get("lr_scheduler") if load_lr_scheduler_states else None,
+            "sampler_epoch": meta.get("sampler_epoch"), "rng": rng})
     comm.barrier()
     return path, client_state
 
 
-def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
+def _check(parts: Parts, load_dir: str, tag: str, with_optim: bool, with_train: bool,
            strict: bool = True):
     """Verify every file this rank's load reads, changing nothing; CheckpointError if one fails.
 
-    Returns (meta, reader, DCP state dict of read targets, the optimizer's ShardedState that
-    installs them, RNG state or None, client_state). The targets may view the masters and
+    Returns (meta, reader, DCP state dict of read targets, the engine's ShardedState, prepared
+    to install them, RNG state or None, client_state). The targets may view the masters and
     optimizer state (read into in place later); the small files are read here, from the bytes
     that were hashed.
     """
-    comm = engine.comm
+    comm, module, sharded = parts.comm, parts.module, parts.shards
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist (tag {tag!r} in {load_dir})")
@@ -173,18 +180,16 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
     meta = read_meta(meta_path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT}")
-    _check_params(engine.optimizer.sharded_state(), meta, meta_path)
+    _check_params(sharded, meta, meta_path)
     if with_optim:
-        _check_groups(engine.optimizer, meta["optimizer"], meta_path)
+        _check_groups(sharded, meta["optimizer"], meta_path)
     files = meta.get("files")
     reader = SafeReader(path, files)
     metadata = reader.read_metadata()  # .metadata's digest, allow-list, every file's size
     saved_keys = set(metadata.state_dict_metadata)
-    sharded = engine.optimizer.sharded_state(saved_keys=saved_keys,
-                                             optimizer_meta=meta["optimizer"],
-                                             optimizer_state=with_optim)
+    sharded.prepare_load(saved_keys, meta["optimizer"], optimizer_state=with_optim)
     if strict:
-        _check_strict(engine, meta, saved_keys, path)
+        _check_strict(module, meta, saved_keys, path)
     state = sharded.state_dict()
     absent = sorted(k for k in state if k not in saved_keys)
     if absent:
@@ -192,14 +197,14 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
                               "load_optimizer_states=False loads the weights alone)")
     in_units = {id(p) for _, p in sharded.named_parameters()}
     rest = {}
-    for n, p in plain_named(engine.module.named_parameters()):
+    for n, p in plain_named(module.named_parameters()):
         if id(p) in in_units:
             continue
         if frozen_key(n) in saved_keys or model_key(n) not in saved_keys:
             rest[frozen_key(n)] = p.detach()
         else:  # saved sharded by a stage-3 engine: the whole parameter reads every fragment
             rest[model_key(n)] = p.detach().view(-1)
-    rest.update({buffer_key(n): b.detach() for n, b in plain_named(engine.module.named_buffers())})
+    rest.update({buffer_key(n): b.detach() for n, b in plain_named(module.named_buffers())})
     # Frozen parameters saved with exclude_frozen_parameters keep their current values.
     state.update({k: v for k, v in rest.items() if k in saved_keys})
     # Exactly the byte ranges DCP will read for this rank: DCP's own planner says which.
@@ -208,18 +213,18 @@ def _check(engine, load_dir: str, tag: str, with_optim: bool, with_engine: bool,
         planner.set_up_planner(state, metadata, is_coordinator=False)
         items = planner.create_local_plan().items
     reader.verify_ranges(metadata.storage_data[item.storage_index] for item in items)
-    rng = read_rng(path, comm.rank, files) if with_engine else None
+    rng = read_rng(path, comm.rank, files) if with_train else None
     client_state = torch_load_verified(path, CLIENT, files)
     return meta, reader, state, sharded, rng, client_state
 
 
-def _check_strict(engine, meta, saved_keys: set, path: str) -> None:
+def _check_strict(module, meta, saved_keys: set, path: str) -> None:
     """load_module_strict: what the checkpoint holds and the model lacks, and the model's buffers
     the checkpoint lacks, are errors naming them (DeepSpeed's load_state_dict(strict=True))."""
-    names = {n for n, _ in plain_named(engine.module.named_parameters())}
+    names = {n for n, _ in plain_named(module.named_parameters())}
     extra = sorted(set(meta["params"]) - names)
     extra += sorted(n for n, _ in named(saved_keys, FROZEN) if n not in names)
-    buffers = {n for n, _ in plain_named(engine.module.named_buffers())}
+    buffers = {n for n, _ in plain_named(module.named_buffers())}
     saved_buffers = {n for n, _ in named(saved_keys, BUFFER)}
     extra += sorted(saved_buffers - buffers)
     lacking = sorted(buffers - saved_buffers)
@@ -241,33 +246,14 @@ def _check_params(sharded, meta, meta_path) -> None:
                               f"checkpoint but {live[n]} in this model")
 
 
-def _check_groups(opt, saved: dict, meta_path) -> None:
+def _check_groups(sharded, saved: dict, meta_path) -> None:
     """The saved optimizer state has one entry per live param group; CheckpointError otherwise
     (e.g. a Muon checkpoint, whose matrices and other parameters are two groups, into AdamW)."""
-    live = len(opt.param_groups)
+    live = sharded.group_count()
     if len(saved["groups"]) != live:
         raise CheckpointError(
             f"{meta_path}: the checkpoint's optimizer ({saved.get('type')}) has "
             f"{len(saved['groups'])} param group(s), this engine's "
-            f"({type(opt.optimizer).__name__}) {live}, so its state cannot be matched up; "
+            f"({sharded.optimizer_name()}) {live}, so its state cannot be matched up; "
             "load_checkpoint(..., load_optimizer_states=False) loads the weights alone")
-
-
-def _restore_engine(engine, meta, rng, load_lr_scheduler_states) -> None:
-    """Counters, loss scaler, LR scheduler, sampler epoch and RNG as saved."""
-    counters = meta["counters"]
-    engine.global_steps = counters["global_steps"]
-    engine.global_samples = counters["global_samples"]
-    engine.micro_steps = counters["micro_steps"]
-    engine.skipped_steps = counters["skipped_steps"]
-    engine.optimizer.steps = counters["optimizer_steps"]
-    engine.scaler.load_state_dict(meta["scaler"])
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and \
-            meta.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    sampler = sampler_of(engine)
-    if sampler is not None and meta.get("sampler_epoch") is not None:
-        sampler.set_epoch(meta["sampler_epoch"])  # the epoch's shuffle order, as when saved
-    if rng is not None:
-        set_rng_state(rng)
 

@@ -164,11 +164,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Refused, as state_dict() (use engine.load_checkpoint)."""
         self.state_dict()
 
-    def sharded_state(self, **options):
-        """This rank's shards as a DCP `Stateful` (`state.ShardedState`, given `options`)."""
-        from .state import ShardedState  # noqa: PLC0415 - only checkpoints need it
-
-        return ShardedState(self, **options)
+    def install_loaded(self, trained, frozen=(), **loaded) -> None:
+        """Replace this rank's shards by a loaded checkpoint's (`install_loaded` below)."""
+        install_loaded(self, trained, frozen, **loaded)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (buffers are zeroed and stay attached)."""
@@ -400,3 +398,30 @@ def build_optimizer(spec, params, module: nn.Module | None = None) -> torch.opti
         return cls(params, **hp)
     except TypeError as err:
         raise ValueError(f"optimizer.params for {spec.type}: {err}") from None
+
+
+def install_loaded(opt: ZeroOptimizer, trained, frozen=(), *, optimizer_state: bool = True,
+                   muon=None, hyper: list[dict] | None = None) -> None:
+    """Replace `opt`'s shards on this rank by a loaded checkpoint's (`state.ShardedState` reads it).
+
+    `trained` yields `(unit, owned values, optimizer state or None: the state as it is)`,
+    `frozen` `(unit, owned shard)` of stage 3's frozen units; with `optimizer_state`, `muon` is
+    Muon's loaded momentum (its `install`) and `hyper` per param group the hyper-parameters to
+    set. Gradients accumulated before (or left by a step that failed half-way) and gathered
+    stage-3 units are dropped first; the stage's parameters are whole again after, and the
+    refusal to step after an NVMe failure is lifted (every master, state and parameter shard was
+    rewritten)."""
+    with torch.no_grad():
+        opt.policy.reset()
+        for unit, values, state in trained:
+            opt.policy.write_owned(unit, values)
+            opt.placement.install(unit, values, state)
+        for unit, shard in frozen:
+            opt.policy.write_owned(unit, shard)
+        opt.placement.flush()
+        if optimizer_state and opt.muon is not None:
+            opt.muon.install(muon)
+        opt.policy.gather_params()
+        opt.broken = None
+        for group, values in zip(opt.param_groups, hyper or ()):
+            group.update(values)

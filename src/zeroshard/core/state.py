@@ -23,10 +23,12 @@ those methods: DCP's planner looks up offsets only in `torch.Tensor` values
 dtype and pinning), so checkpoints written through ShardedTensor load bitwise and older zeroshard
 reads these.
 
-`checkpoint/` talks to `ShardedState` only: its `state_dict()` (the entries to save, or the read
-targets of a load), `load_state_dict()` (installs what was read), and the metadata of
-`named_parameters()`, `param_meta()`, `optimizer_meta()` and `nbytes()`. Units, owned bounds,
-placements and MiCS replicas stay in core.
+`checkpoint/` talks to `ShardedState` only: `prepare_save()` / `prepare_load()` (what the next
+`state_dict()` covers), its `state_dict()` (the entries to save, or the read targets of a load),
+`load_state_dict()` (hands what was read to the optimizer's `install_loaded`), and the metadata of
+`named_parameters()`, `param_meta()`, `optimizer_meta()`, `group_count()`, `optimizer_name()` and
+`nbytes()`. The engine makes one per run and reuses it for every save and load. Units, owned
+bounds, placements and MiCS replicas stay in core.
 """
 
 from __future__ import annotations
@@ -106,69 +108,73 @@ class ShardedState:
     """This rank's parameters and optimizer state as DCP entries (`torch.distributed.checkpoint.
     stateful.Stateful`): `state_dict()` to save or to read into, `load_state_dict()` to install.
 
-    `frozen`: include stage 3's frozen units. To load, pass what the checkpoint holds:
-    `saved_keys` (its DCP keys), `optimizer_meta` (what `optimizer_meta()` returned when it was
-    saved) and `optimizer_state` (False: the weights alone)."""
+    One per engine, reused: `prepare_save()` or `prepare_load()` says what the next
+    `state_dict()` covers (a new one is prepared to save, frozen units included)."""
 
-    def __init__(self, opt, *, frozen: bool = True, saved_keys=None, optimizer_meta=None,
-                 optimizer_state: bool = True):
+    def __init__(self, opt):
         self.opt = opt
-        self.units = list(opt.units)
-        self.frozen_units = list(opt.frozen_units) if frozen else []
-        self.saved_keys = None if saved_keys is None else set(saved_keys)
-        self.groups = None if optimizer_meta is None else optimizer_meta["groups"]
-        self.optimizer_state = optimizer_state
+        self.prepare_save()
+
+    def prepare_save(self, *, frozen: bool = True) -> None:
+        """The next `state_dict()` gives the entries to save (`frozen`: of stage 3's frozen
+        units too)."""
+        self.frozen = frozen
+        self.saved_keys = None
+        self.groups = None
+        self.optimizer_state = True
         self._targets: list | None = None
         #: Muon's momentum read targets by matrix (None: nothing of it is read).
         self._muon_targets: tuple[dict, dict] | None = None
 
+    def prepare_load(self, saved_keys, optimizer_meta=None, *,
+                     optimizer_state: bool = True) -> None:
+        """The next `state_dict()` gives read targets for a checkpoint holding `saved_keys` (its
+        DCP keys), whose `optimizer_meta()` was `optimizer_meta`; `optimizer_state` False: the
+        weights alone. Stage 3's frozen units read what the checkpoint has of them."""
+        self.prepare_save()
+        self.saved_keys = set(saved_keys)
+        self.groups = None if optimizer_meta is None else optimizer_meta["groups"]
+        self.optimizer_state = optimizer_state
+
+    @property
+    def units(self) -> list:
+        """The optimizer's trained units."""
+        return list(self.opt.units)
+
+    @property
+    def frozen_units(self) -> list:
+        """Stage 3's units of frozen parameters, if prepared to include them."""
+        return list(self.opt.frozen_units) if self.frozen else []
+
     # -- metadata ------------------------------------------------------------------------------
-    def named_parameters(self):
-        """`(name, parameter)` of every parameter whose shards these entries hold."""
-        for unit in [*self.units, *self.frozen_units]:
+    def _all_units(self, frozen: bool) -> list:
+        return [*self.opt.units, *(self.opt.frozen_units if frozen else ())]
+
+    def named_parameters(self, frozen: bool = True):
+        """`(name, parameter)` of every parameter whose shards these entries hold (`frozen`: with
+        stage 3's frozen units)."""
+        for unit in self._all_units(frozen):
             for slot in unit.slots:
                 yield slot.name, slot.param
 
-    def param_meta(self) -> dict[str, dict]:
-        """`{name: {"shape", "group"}}` (group: the optimizer param group, -1 for frozen)."""
+    def param_meta(self, frozen: bool = True) -> dict[str, dict]:
+        """`{name: {"shape", "group"}}` (group: the optimizer param group, -1 for frozen; `frozen`:
+        with stage 3's frozen units)."""
         return {slot.name: {"shape": list(slot.shape), "group": unit.group_index}
-                for unit in [*self.units, *self.frozen_units] for slot in unit.slots}
+                for unit in self._all_units(frozen) for slot in unit.slots}
+
+    def group_count(self) -> int:
+        """The number of the optimizer's param groups."""
+        return len(self.opt.param_groups)
+
+    def optimizer_name(self) -> str:
+        """The class name of the user's optimizer (e.g. "AdamW")."""
+        return type(self.opt.optimizer).__name__
 
     def optimizer_meta(self) -> dict:
         """The optimizer's type, and per param group its hyper-parameters, scalar state (e.g.
         Adam's step) and tensor state keys, JSON-ready."""
-        opt = self.opt
-        groups = []
-        for group in opt.optimizer.param_groups:
-            hyper = {}
-            for key, value in group.items():
-                if key == "params":
-                    continue
-                try:
-                    hyper[key] = jsonable(value)
-                except TypeError:
-                    pass  # e.g. a callable: kept from the live optimizer
-            scalars, tensor_keys, order = {}, [], []
-            for unit in self.units:
-                if opt.param_groups[unit.group_index] is not group:
-                    continue
-                master, unit_state = opt.placement.tensors(unit)
-                for key, value in unit_state.items():
-                    if key not in order:
-                        order.append(key)
-                    if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
-                        if key not in tensor_keys:
-                            tensor_keys.append(key)
-                    else:
-                        scalars[key] = {"value": jsonable(value), "dtype": str(value.dtype)
-                                        if torch.is_tensor(value) else None}
-            entry = {"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
-                     "order": order}
-            if opt.muon is not None and opt.muon.started and group.get("use_muon"):
-                # Muon's momentum: whole matrices saved by their owners (core/muon_exchange.py).
-                entry["whole_keys"] = [MOMENTUM_KEY]
-            groups.append(entry)
-        return {"type": type(opt.optimizer).__name__, "groups": groups}
+        return {"type": self.optimizer_name(), "groups": _group_meta(self.opt)}
 
     @staticmethod
     def nbytes(entries: dict) -> int:
@@ -275,11 +281,12 @@ class ShardedState:
     # -- load ----------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         """Install what was read into `state_dict()`'s targets (or `state_dict`'s own values for
-        them): masters, compute-dtype parameters, optimizer state, frozen shards; then the
-        stage's parameters are made whole again and the optimizer's hyper-parameters restored."""
+        them) through the optimizer's `install_loaded`: masters, compute-dtype parameters,
+        optimizer state, frozen shards, and (with the optimizer state) Muon's momentum and the
+        saved hyper-parameters."""
         if self.saved_keys is None or self._targets is None:
-            raise RuntimeError("ShardedState.load_state_dict: build it with saved_keys= and "
-                               "optimizer_meta= of the checkpoint, and read into its "
+            raise RuntimeError("ShardedState.load_state_dict: call prepare_load() with the "
+                               "checkpoint's saved keys and optimizer_meta, and read into its "
                                "state_dict() first")
         muon_entries = self._muon_targets[0] if self._muon_targets is not None else {}
         for entries in [*(e for _, _, e in self._targets), muon_entries]:
@@ -288,48 +295,38 @@ class ShardedState:
                     raise KeyError(f"ShardedState.load_state_dict: no {key} in the state dict "
                                    "given; pass the dict its state_dict() returned, read into")
                 _take(target, state_dict[key])
-        opt = self.opt
+        trained = [(unit, tensors) for unit, tensors, _ in self._targets if unit.group_index >= 0]
+        frozen = [(unit, tensors) for unit, tensors, _ in self._targets if unit.group_index < 0]
         with torch.no_grad():
-            # Gradients accumulated before the load (or left by a step that failed half-way) and
-            # gathered stage-3 units belong to the old state.
-            opt.policy.reset()
-            for unit, tensors, _ in self._targets:
-                if unit.group_index < 0:
-                    self._install_frozen(unit, tensors)
-                else:
-                    self._install(unit, tensors, self.groups[unit.group_index]
-                                  if self.optimizer_state else None)
-            opt.placement.flush()
-            if self.optimizer_state and opt.muon is not None:
-                opt.muon.install(None if self._muon_targets is None else self._muon_targets[1])
-            opt.policy.gather_params()
-            opt.broken = None  # every master, state and parameter shard was rewritten
-            if self.optimizer_state:
-                for group, saved in zip(opt.param_groups, self.groups):
-                    for key, value in saved["hyper"].items():
-                        if key in group:  # betas come back from JSON as a list
-                            group[key] = tuple(value) if isinstance(group[key], tuple) else value
+            # Generators: stage 0 all-gathers each unit's values as the optimizer installs it.
+            self.opt.install_loaded(
+                (self._installed(unit, tensors) for unit, tensors in trained),
+                ((unit, _frozen_shard(unit, tensors, *self._bounds(unit)))
+                 for unit, tensors in frozen),
+                optimizer_state=self.optimizer_state,
+                muon=None if self._muon_targets is None else self._muon_targets[1],
+                hyper=self._hyper() if self.optimizer_state else None)
 
-    def _full(self, unit, shard: torch.Tensor) -> torch.Tensor:
-        """Owned-sized tensor from this rank's shard: the shard itself, or all-gathered (stage 0)."""
-        opt = self.opt
-        if opt.policy.shards_optimizer:
-            return shard
-        full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
-        opt.comm.all_gather(full, shard)
-        return full
+    def _hyper(self) -> list[dict]:
+        """Per live param group, the saved hyper-parameters it has (a tuple saved as a JSON
+        list, e.g. betas, made a tuple again)."""
+        out = []
+        for group, saved in zip(self.opt.param_groups, self.groups):
+            out.append({key: tuple(value) if isinstance(group[key], tuple) else value
+                        for key, value in saved["hyper"].items() if key in group})
+        return out
 
-    def _install(self, unit, tensors: dict, group_meta: dict | None) -> None:
-        """Put loaded shards into the master, the compute-dtype parameters and the optimizer state."""
-        opt = self.opt
-        values = self._full(unit, tensors["model"])
-        opt.policy.write_owned(unit, values)
-        if group_meta is None:
-            opt.placement.install(unit, values, None)
-            return
+    def _installed(self, unit, tensors: dict) -> tuple:
+        """`(unit, owned values, optimizer state or None)` of a loaded trained unit: the state in
+        the optimizer's own key order (none at all, never stepped, stays absent); None when the
+        optimizer state is not loaded."""
+        values = _full(self.opt, unit, tensors["model"])
+        if not self.optimizer_state:
+            return unit, values, None
+        group_meta = self.groups[unit.group_index]
         fresh = {}
         for key in group_meta["tensor_keys"]:
-            fresh[key] = self._full(unit, tensors[key]).float()
+            fresh[key] = _full(self.opt, unit, tensors[key]).float()
         for key, info in group_meta["scalars"].items():
             value = info["value"]
             if info["dtype"] is not None:
@@ -337,20 +334,63 @@ class ShardedState:
                                           dtype=getattr(torch, info["dtype"].split(".")[-1]))
             else:
                 fresh[key] = value
-        # In the optimizer's own key order; no state at all (never stepped) stays absent.
-        opt.placement.install(unit, values,
-                              {k: fresh[k] for k in group_meta["order"] if k in fresh})
+        return unit, values, {k: fresh[k] for k in group_meta["order"] if k in fresh}
 
-    def _install_frozen(self, unit, tensors: dict) -> None:
-        """Write a frozen unit's loaded shard (whole parameters cut to this rank's part first)."""
-        shard = tensors["model"]
-        lo, hi = self._bounds(unit)
-        for slot, whole in tensors["wholes"]:
-            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < end:
-                shard[start - lo:end - lo].copy_(
-                    whole.reshape(-1)[start - slot.offset:end - slot.offset])
-        self.opt.policy.write_owned(unit, shard)
+
+def _group_meta(opt) -> list[dict]:
+    """Per param group of `opt` (a ZeroOptimizer): its hyper-parameters, scalar state (e.g.
+    Adam's step), tensor state keys and state key order, JSON-ready."""
+    groups = []
+    for group in opt.optimizer.param_groups:
+        hyper = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            try:
+                hyper[key] = jsonable(value)
+            except TypeError:
+                pass  # e.g. a callable: kept from the live optimizer
+        scalars, tensor_keys, order = {}, [], []
+        for unit in opt.units:
+            if opt.param_groups[unit.group_index] is not group:
+                continue
+            master, unit_state = opt.placement.tensors(unit)
+            for key, value in unit_state.items():
+                if key not in order:
+                    order.append(key)
+                if torch.is_tensor(value) and value.shape == master.shape and value.dim() > 0:
+                    if key not in tensor_keys:
+                        tensor_keys.append(key)
+                else:
+                    scalars[key] = {"value": jsonable(value), "dtype": str(value.dtype)
+                                    if torch.is_tensor(value) else None}
+        entry = {"hyper": hyper, "scalars": scalars, "tensor_keys": tensor_keys,
+                 "order": order}
+        if opt.muon is not None and opt.muon.started and group.get("use_muon"):
+            # Muon's momentum: whole matrices saved by their owners (core/muon_exchange.py).
+            entry["whole_keys"] = [MOMENTUM_KEY]
+        groups.append(entry)
+    return groups
+
+
+def _full(opt, unit, shard: torch.Tensor) -> torch.Tensor:
+    """Owned-sized tensor from this rank's shard: the shard itself, or all-gathered (stage 0)."""
+    if opt.policy.shards_optimizer:
+        return shard
+    full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=shard.device)
+    opt.comm.all_gather(full, shard)
+    return full
+
+
+def _frozen_shard(unit, tensors: dict, lo: int, hi: int) -> torch.Tensor:
+    """A loaded frozen unit's shard `[lo, hi)`, whole parameters read cut to it first."""
+    shard = tensors["model"]
+    for slot, whole in tensors["wholes"]:
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < end:
+            shard[start - lo:end - lo].copy_(
+                whole.reshape(-1)[start - slot.offset:end - slot.offset])
+    return shard
 
 
 def _take(target: torch.Tensor, given) -> None:

@@ -32,16 +32,17 @@ once. Offloaded slices are added into the CPU shards then, after one host wait f
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 
 import torch
 
 from ..dist.hostmem import host_empty, host_region, host_zeros, to_host
 from .layout import Unit
-from .policy import MAX_IN_FLIGHT
+from .policy import MAX_IN_FLIGHT, eager_hook
 from .spec import StageSpec
 from .strategies import Reduce
 from ..dist.streams import Streams
-from .training_state import LaunchOrder
+from .training_state import LaunchOrder, StepState, hook_outputs
 
 
 class BlockPool:
@@ -343,3 +344,32 @@ class GradReducer:
     def landing_tensors(self) -> list[torch.Tensor]:
         """Pinned landing buffers of offloaded gradient slices (accelerator only; CPU memory)."""
         return list(self.landing.values())
+
+
+def hook_gradients(units: list[Unit], module, state: StepState, reducer: GradReducer,
+                   on_grad_ready, hooks: list) -> None:
+    """Stages 2-3: hand every parameter's gradient to `on_grad_ready(unit, position, param)` as
+    autograd finishes it (its `.grad` let go: the reducer's buffer takes it), and have the model's
+    outputs start the backward in `state` (and, under the early CPU step, be checked for inf/nan
+    by `reducer`); the hook handles are appended to `hooks`."""
+    if module is not None:
+        hooks.append(module.register_forward_hook(_output_hook(state, reducer)))
+    for unit in units:
+        for position, slot in enumerate(unit.slots):
+            slot.param.grad = None
+            hooks.append(slot.param.register_post_accumulate_grad_hook(
+                partial(on_grad_ready, unit, position)))
+
+
+def _output_hook(state: StepState, reducer: GradReducer):
+    """The forward hook on the model: a hook on its outputs' gradients starts the backward (and
+    queues its end; it runs there first, before any reentrant checkpoint starts a nested
+    backward, whose end would otherwise flush half-filled units)."""
+
+    @eager_hook
+    def hook(_module, _inputs, output) -> None:
+        hook_outputs(output, state.begin_backward)
+        if reducer.early is not None:
+            hook_outputs(output, reducer.watch_output_grad)
+
+    return hook

@@ -25,18 +25,16 @@ On an accelerator each landing runs on the side stream "reduce" (`grad_reducer.p
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from ..dist import Comm
-from .grad_reducer import GradReducer
+from .grad_reducer import GradReducer, hook_gradients
 from .layout import Unit
-from .policy import StagePolicy, eager_hook
+from .policy import StagePolicy
 from .spec import StageSpec
 from .strategies import Reduce
 from ..dist.streams import Streams
-from .training_state import StepState, TrainingState, hook_outputs
+from .training_state import StepState, TrainingState
 
 
 class Stage2(StagePolicy):
@@ -53,28 +51,12 @@ class Stage2(StagePolicy):
         gradient shard as it becomes final in a boundary backward, or None."""
         super().__init__(units, comm, spec, module=module, streams=streams)
         self.grads = GradReducer(units, spec, Reduce(comm), rank=comm.rank,
-                                   world_size=comm.world_size, streams=streams, syncs=syncs,
-                                   early=early)
+                                 world_size=comm.world_size, streams=streams, syncs=syncs,
+                                 early=early)
         self.state = StepState(self._end_of_backward, self.stage)
         self.deferring = False  # inside the engine's coalesce_grad_reduction()
-        if not spec.keeps_gradients:
-            return  # an engine without an optimizer: nothing reduced, nothing hooked
-        if module is not None:
-            self.hooks.append(module.register_forward_hook(self._hook_outputs))
-        for unit in units:
-            for position, slot in enumerate(unit.slots):
-                slot.param.grad = None
-                self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    partial(self._on_grad_ready, unit, position)))
-
-    @eager_hook
-    def _hook_outputs(self, _module, _inputs, output) -> None:
-        """The model's outputs: their gradient starts the backward (and queues its end; a hook
-        there runs before any reentrant checkpoint starts a nested backward, whose end would
-        otherwise flush half-filled units); under the early CPU step also checked for inf/nan."""
-        hook_outputs(output, self.state.begin_backward)
-        if self.grads.early is not None:
-            hook_outputs(output, self.grads.watch_output_grad)
+        if spec.keeps_gradients:  # else an engine without an optimizer: nothing reduced or hooked
+            hook_gradients(units, module, self.state, self.grads, self._on_grad_ready, self.hooks)
 
     def expect_boundary(self, boundary: bool) -> None:
         """Remember whether this backward ends the accumulation window (for the early step)."""

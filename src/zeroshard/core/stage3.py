@@ -46,24 +46,22 @@ between a unit's forward and the step stay inside its host (`zeropp/hpz.py`).
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from ..dist import Comm
 from . import extensions
-from .grad_reducer import GradReducer
+from .grad_reducer import GradReducer, hook_gradients
 from .layout import Unit
 from .param_gatherer import ParamGatherer
 from .partition import Stage3Layout
 from .policy_view import Stage3View
-from .policy import StagePolicy, eager_hook
+from .policy import StagePolicy
 from .shard_store import ShardStore
 from .spec import StageSpec
 from .stage3_hooks import ModuleHooks
 from .strategies import Gather, ReduceStrategy
 from ..dist.streams import Streams
-from .training_state import StepState, TrainingState, hook_outputs
+from .training_state import StepState, TrainingState
 
 
 class Stage3(StagePolicy):
@@ -100,13 +98,7 @@ class Stage3(StagePolicy):
         # What layers above core add (compat/: DeepSpeed's attributes, save guards, generate).
         self.extras = extensions.install(Stage3View(self))
         if spec.keeps_gradients:
-            if module is not None:
-                self.hooks.append(module.register_forward_hook(self._hook_outputs))
-            for unit in units:
-                for position, slot in enumerate(unit.slots):
-                    slot.param.grad = None
-                    self.hooks.append(slot.param.register_post_accumulate_grad_hook(
-                        partial(self._on_grad_ready, unit, position)))
+            hook_gradients(units, module, self.state, self.grads, self._on_grad_ready, self.hooks)
         if module is None:
             return
         self.module_hooks = ModuleHooks(self.params, self.state, layout, module,
@@ -138,14 +130,6 @@ class Stage3(StagePolicy):
         self.params.commit(unit)
 
     # -- backward ----------------------------------------------------------------------------------
-    @eager_hook
-    def _hook_outputs(self, _module, _inputs, output) -> None:
-        """The model's outputs: their gradient starts the backward; under the early CPU step
-        they are also checked for inf/nan (`grad_reducer.py`)."""
-        hook_outputs(output, self.state.begin_backward)
-        if self.grads.early is not None:
-            hook_outputs(output, self.grads.watch_output_grad)
-
     def _on_grad_ready(self, unit: Unit, position: int, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is in: a complete unit is reduce-scattered at once and freed
         (while deferring only freed: its gradient waits in its buffer for the flush)."""

@@ -82,6 +82,7 @@ class Stage0(StagePolicy):
                          and self.reduction.comm_dtype(u.dtype) == u.dtype else None
                          for u in units}
         self.scaled: dict[int, set[int]] = {u.index: set() for u in units}
+        self.zeroed: dict[int, set[int]] = {}  # stale slots zeroed when their unit launched
         self.grads.hook(self.hooks, self._grad_hook)
         if not (spec.keeps_gradients and comm.world_size > 1):
             return
@@ -155,12 +156,10 @@ class Stage0(StagePolicy):
         return None
 
     def _clear_stale(self, unit: Unit) -> None:
-        """Zero (and re-attach) the views of parameters that got no gradient since zero_grad
-        (zeros need no averaging: they count as scaled)."""
-        for i in self.stale.pop(unit.index, ()):
+        """Zero (and re-attach) the views of parameters that got no gradient since zero_grad."""
+        zeroed = self.zeroed[unit.index] = self.stale.pop(unit.index, set())
+        for i in zeroed:
             unit.slots[i].param.grad = self.grads.view(unit, i).zero_()
-            if self.prescale[unit.index] is not None:
-                self.scaled[unit.index].add(i)
 
     def _on_grad_ready(self, unit: Unit) -> None:
         """One more gradient of `unit` is in: launch what became ready (once it is complete)."""
@@ -214,15 +213,17 @@ class Stage0(StagePolicy):
             self.reduced[index] = averaged  # a wider dtype (bf16/fp16 gradients)
 
     def _average(self, unit: Unit, summed: torch.Tensor) -> torch.Tensor:
-        """The average from the sum: only slots not scaled on their way in still need dividing."""
+        """The average from the sum: only slots not scaled on their way in still need dividing
+        (the whole buffer when none was; zeroed stale slots need nothing either way)."""
         scaled = self.scaled[unit.index]
         if not scaled:
             return self.reduction.after(summed, self.comm.world_size)
         if summed.data_ptr() != self.grads.flats[unit.index].data_ptr():
             raise AssertionError(f"unit {unit.index}: gradients scaled on their way into a "
                                  "buffer that was reduced through a copy")
+        zeroed = self.zeroed.get(unit.index, ())
         for i, slot in enumerate(unit.slots):
-            if i not in scaled:
+            if i not in scaled and i not in zeroed:
                 self.reduction.after(summed[slot.offset:slot.offset + slot.numel],
                                      self.comm.world_size)
         return summed
@@ -277,6 +278,7 @@ class Stage0(StagePolicy):
         self.averaged.clear()
         for scaled in self.scaled.values():
             scaled.clear()
+        self.zeroed.clear()
         self.counts = None
         self.dirty = {u.index for u in self.units}
         for unit in self.units if self.keeps_gradients else []:

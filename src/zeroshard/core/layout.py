@@ -5,8 +5,9 @@ flat buffer, padded so that it splits into `world_size` equal contiguous shards;
 `.data` is a view into that buffer. Rank r owns `[r*S, (r+1)*S)` of every unit.
 
 For stages 0-2 units are buckets of about `bucket_numel` elements (reduce_bucket_size, capped at
-1/8 of the model) in gradient-ready order (the reverse of registration); parameters of different
-optimizer param groups or dtypes never share one. Stage 3 builds units per module instead
+1/8 of the model; at stage 0 DDP's buckets instead, `ddp_bucket_caps`) in gradient-ready order
+(the reverse of registration); parameters of different optimizer param groups or dtypes never
+share one. Stage 3 builds units per module instead
 (`partition.py`) and keeps each one as a persistent shard whose full buffer only exists while the
 unit is gathered (`Unit.shard`, `Unit.release`).
 """

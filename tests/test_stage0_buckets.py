@@ -48,7 +48,7 @@ def _averaged_grads(rank, world):
     engine, _, _, _ = zeroshard.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     policy = engine.optimizer.policy
-    out = {"prescale": dict(policy.prescale)}
+    out = {"scale_in": dict(policy.scale_in)}
     for window in range(2):
         reference.load_state_dict(model.state_dict())
         reference.zero_grad(set_to_none=True)
@@ -74,7 +74,7 @@ def test_mixed_scaled_and_unscaled_gradients_average_exactly():
     in the boundary backward (scaled on the way in): both equal sum / N bit for bit."""
     results = run_world(2, _averaged_grads)
     for rank, got in enumerate(results):
-        assert set(got["prescale"].values()) == {0.5}, got["prescale"]
+        assert set(got["scale_in"].values()) == {0.5}, got["scale_in"]
         # the layout's slot order is the gradient-ready order: b (slots 0-1) before a (2-3)
         assert got["scaled"] == [0, 1], got["scaled"]
         for name, expected in got["expected"].items():

@@ -77,7 +77,7 @@ class Stage0(StagePolicy):
         # gradients are ever seen after it) in place: the factor per unit (None: divided after
         # the sum), and the slots whose gradients were scaled by it since zero_grad.
         n = comm.world_size
-        self.prescale = {u.index: self.reduction.exact_post_factor(n)
+        self.scale_in = {u.index: self.reduction.exact_post_factor(n)
                          if self.overlapping and self.reduction.pre_factor(n) == 1.0
                          and self.reduction.comm_dtype(u.dtype) == u.dtype else None
                          for u in units}
@@ -98,13 +98,13 @@ class Stage0(StagePolicy):
         the view (no longer stale), and the unit launched once complete (overlap).
 
         In the backward that communicates, that copy also averages, as DDP does on its way into
-        its buckets: the gradient is multiplied by 1/N (where that is exact, `prescale`), so no
+        its buckets: the gradient is multiplied by 1/N (where that is exact, `scale_in`), so no
         pass over the buffer divides the sum afterwards. Gradients added to a scaled slot later
         are scaled before they land (`_before_grad`); slots that got theirs unscaled (earlier
         micro-steps) are divided after the sum, as before."""
         index = unit.index
         overlapping = self.overlapping
-        factor = self.prescale[index]
+        factor = self.scale_in[index]
         scaled = self.scaled[index]
 
         def hook(param) -> None:
@@ -149,10 +149,10 @@ class Stage0(StagePolicy):
             else:
                 self.earlier[index] = flat.clone()
             flat.zero_()
-            if self.prescale[index] is not None:  # zeros are scaled: what comes is scaled too
+            if self.scale_in[index] is not None:  # zeros are scaled: what comes is scaled too
                 self.scaled[index].update(range(len(unit.slots)))
         if slot in self.scaled[index] and unit.slots[slot].param.grad is not None:
-            return grad * self.prescale[index]  # added to the view, not copied in by the hook
+            return grad * self.scale_in[index]  # added to the view, not copied in by the hook
         return None
 
     def _clear_stale(self, unit: Unit) -> None:

@@ -20,6 +20,7 @@ bf16), where micro-steps accumulate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,10 +66,21 @@ class Reduction:
         factor = self.pre_factor(world_size)
         return tensor.mul_(factor) if factor != 1.0 else tensor
 
+    def exact_post_factor(self, world_size: int) -> float | None:
+        """1 / `post_divisor` when multiplying by it is exactly the division (a power of two: the
+        usual world sizes), else None. Multiplying is the cheaper pass, and x * 2^-k scaled before a
+        sum equals the sum scaled after it, bit for bit (barring subnormals)."""
+        divisor = self.post_divisor(world_size)
+        mantissa, _ = math.frexp(divisor)
+        return 1.0 / divisor if divisor > 1.0 and mantissa == 0.5 else None
+
     def after(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
         """Turn the sum in `tensor` into the average, in place."""
         divisor = self.post_divisor(world_size)
-        return tensor.div_(divisor) if divisor != 1.0 else tensor
+        if divisor == 1.0:
+            return tensor
+        factor = self.exact_post_factor(world_size)
+        return tensor.mul_(factor) if factor is not None else tensor.div_(divisor)
 
     def for_reduce(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
         """`tensor` in the communication dtype, pre-scaled: a new tensor unless it already is in

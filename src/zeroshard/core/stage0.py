@@ -9,16 +9,20 @@ Communication plan, per optimizer step:
      is all-reduced asynchronously while backward goes on. When the gradients are already in the
      communication dtype (fp32, `reduction.py`) the all-reduce runs in place on the gradient
      buffer itself, as DDP's `gradient_as_bucket_view` does: no copy in, no copy back, no
-     second buffer, so nothing bounds how many are in flight. Otherwise (fp16/bf16 gradients
-     summed in fp32) a copy in the communication dtype is reduced, at most MAX_IN_FLIGHT of
-     them at once (policy.py), each kept beside its buffer once averaged.
+     second buffer, so nothing bounds how many are in flight. The units are DDP's buckets
+     (`layout.ddp_bucket_caps`: 1 MiB first, then 25 MiB), and the first gradient of each
+     parameter is multiplied by 1/N as it is copied into its buffer (where 1/N is exact), as DDP
+     does on its way into a bucket: no pass divides the sum afterwards. Otherwise (fp16/bf16
+     gradients summed in fp32) a copy in the communication dtype is reduced, at most
+     MAX_IN_FLIGHT of them at once (policy.py), each kept beside its buffer once averaged.
      A gradient that arrives for a unit already reduced (a parameter used again by a reentrant
      checkpoint, or another backward before the step) first lands that unit's all-reduce (a
      pre-accumulation hook, so autograd never writes a buffer a collective is reading), sets the
      average reduced so far aside and restarts the buffer from zero; the boundary reduces the
      new gradients and adds the two, so every reduction mode stays exact.
      End of backward (an autograd callback): units never completed (unused parameters) are
-     launched in order, and every all-reduce is waited for and divided by N.
+     launched in order, and every all-reduce is waited for (and what was not scaled on its way
+     in divided by N).
   2. accumulation boundary: units written since their all-reduce was launched (or that no
      backward reduced: overlap off, world of one) are all-reduced now, in layout order.
      Ring cost either way: 2 x Psi x (N-1)/N elements of the communication dtype per rank.
@@ -37,7 +41,7 @@ import torch
 
 from ..dist import Comm
 from .layout import Unit
-from .policy import MAX_IN_FLIGHT, FullGradients, StagePolicy, reattach_hook
+from .policy import MAX_IN_FLIGHT, FullGradients, StagePolicy
 from .spec import StageSpec
 from .step_check import tail_numel, write_counts
 from ..dist.streams import Streams
@@ -69,28 +73,54 @@ class Stage0(StagePolicy):
         # until autograd's first gradient is copied in): unit index -> slot indices.
         self.stale: dict[int, set[int]] = {}
         self.overlapping = self.overlap and module is not None and comm.world_size > 1
+        # Averaging on the way in (`_grad_hook`), where backward reduces (no half-scaled local
+        # gradients are ever seen after it) in place: the factor per unit (None: divided after
+        # the sum), and the slots whose gradients were scaled by it since zero_grad.
+        n = comm.world_size
+        self.scale_in = {u.index: self.reduction.exact_post_factor(n)
+                         if self.overlapping and self.reduction.pre_factor(n) == 1.0
+                         and self.reduction.comm_dtype(u.dtype) == u.dtype else None
+                         for u in units}
+        self.scaled: dict[int, set[int]] = {u.index: set() for u in units}
+        self.zeroed: dict[int, set[int]] = {}  # stale slots zeroed when their unit launched
         self.grads.hook(self.hooks, self._grad_hook)
         if not (spec.keeps_gradients and comm.world_size > 1):
             return
         for unit in units:
-            for slot in unit.slots:
-                self.hooks.append(slot.param.register_hook(partial(self._before_grad, unit)))
+            for i, slot in enumerate(unit.slots):
+                self.hooks.append(slot.param.register_hook(partial(self._before_grad, unit, i)))
         if self.overlapping:
             self.hooks.append(module.register_forward_hook(
                 lambda _m, _i, out: hook_outputs(out, self._begin_backward)))
 
     def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
-        """After autograd accumulated a gradient: into the view (`reattach_hook`), no longer
-        stale, and the unit launched once complete (overlap)."""
-        reattach = reattach_hook(view)
+        """After autograd accumulated a gradient: the first one since zero_grad is copied into
+        the view (no longer stale), and the unit launched once complete (overlap).
+
+        In the backward that communicates, that copy also averages, as DDP does on its way into
+        its buckets: the gradient is multiplied by 1/N (where that is exact, `scale_in`), so no
+        pass over the buffer divides the sum afterwards. Gradients added to a scaled slot later
+        are scaled before they land (`_before_grad`); slots that got theirs unscaled (earlier
+        micro-steps) are divided after the sum, as before."""
+        index = unit.index
         overlapping = self.overlapping
+        factor = self.scale_in[index]
+        scaled = self.scaled[index]
 
         def hook(param) -> None:
-            reattach(param)
-            stale = self.stale.get(unit.index)
-            if stale:
-                stale.discard(slot)
-            if overlapping:
+            grad = param.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                if factor is not None and self.armed:
+                    torch.mul(grad, factor, out=view)
+                    scaled.add(slot)
+                else:
+                    view.copy_(grad)
+                    scaled.discard(slot)
+                param.grad = view
+                stale = self.stale.get(index)
+                if stale:
+                    stale.discard(slot)
+            if overlapping and self.armed:
                 self._on_grad_ready(unit)
 
         return hook
@@ -104,34 +134,41 @@ class Stage0(StagePolicy):
         if self.armed:
             self.state.begin_backward()
 
-    def _before_grad(self, unit: Unit, _grad) -> None:
-        """Before autograd adds into `unit`'s buffer: land its all-reduce, set an average aside."""
+    def _before_grad(self, unit: Unit, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Before autograd adds into `unit`'s buffer: land its all-reduce, set an average aside;
+        a gradient added to a slot scaled by 1/N is scaled too (returned)."""
         index = unit.index
         if index in self.in_flight:
             self._land(index)
         self.dirty.add(index)  # (also without overlap: the boundary must reduce it)
-        if index not in self.averaged:
-            return
-        self.averaged.discard(index)
-        flat = self.grads.flats[index]
-        if index in self.earlier:
-            self.earlier[index].add_(flat)
-        else:
-            self.earlier[index] = flat.clone()
-        flat.zero_()
+        if index in self.averaged:
+            self.averaged.discard(index)
+            flat = self.grads.flats[index]
+            if index in self.earlier:
+                self.earlier[index].add_(flat)
+            else:
+                self.earlier[index] = flat.clone()
+            flat.zero_()
+            if self.scale_in[index] is not None:  # zeros are scaled: what comes is scaled too
+                self.scaled[index].update(range(len(unit.slots)))
+        if slot in self.scaled[index] and unit.slots[slot].param.grad is not None:
+            return grad * self.scale_in[index]  # added to the view, not copied in by the hook
+        return None
 
     def _clear_stale(self, unit: Unit) -> None:
         """Zero (and re-attach) the views of parameters that got no gradient since zero_grad."""
-        for i in self.stale.pop(unit.index, ()):
+        zeroed = self.zeroed[unit.index] = self.stale.pop(unit.index, set())
+        for i in zeroed:
             unit.slots[i].param.grad = self.grads.view(unit, i).zero_()
 
     def _on_grad_ready(self, unit: Unit) -> None:
-        if not self.armed:
-            return
-        self.state.begin_backward()
-        self.order.arrived(unit)
-        if unit.index not in self.order.launched:
-            for ready in self.order.ready():
+        """One more gradient of `unit` is in: launch what became ready (once it is complete)."""
+        if self.state.state is not TrainingState.BACKWARD:
+            self.state.begin_backward()
+        order = self.order
+        order.missing[unit.index] -= 1
+        if order.missing[unit.index] <= 0 and unit.index not in order.launched:
+            for ready in order.ready():
                 self._launch_unit(ready)
 
     def _launch_unit(self, unit: Unit, carries: bool | None = None) -> None:
@@ -171,9 +208,25 @@ class Stage0(StagePolicy):
             handle.wait()
         if send.numel() > unit.padded_numel:
             self.counts = send[unit.padded_numel:].clone()
-        averaged = self.reduction.after(send[:unit.padded_numel], self.comm.world_size)
+        averaged = self._average(unit, send[:unit.padded_numel])
         if averaged.data_ptr() != self.grads.flats[index].data_ptr():
             self.reduced[index] = averaged  # a wider dtype (bf16/fp16 gradients)
+
+    def _average(self, unit: Unit, summed: torch.Tensor) -> torch.Tensor:
+        """The average from the sum: only slots not scaled on their way in still need dividing
+        (the whole buffer when none was; zeroed stale slots need nothing either way)."""
+        scaled = self.scaled[unit.index]
+        if not scaled:
+            return self.reduction.after(summed, self.comm.world_size)
+        if summed.data_ptr() != self.grads.flats[unit.index].data_ptr():
+            raise AssertionError(f"unit {unit.index}: gradients scaled on their way into a "
+                                 "buffer that was reduced through a copy")
+        zeroed = self.zeroed.get(unit.index, ())
+        for i, slot in enumerate(unit.slots):
+            if i not in scaled and i not in zeroed:
+                self.reduction.after(summed[slot.offset:slot.offset + slot.numel],
+                                     self.comm.world_size)
+        return summed
 
     def _land_all(self) -> None:
         for index in list(self.in_flight):
@@ -223,6 +276,9 @@ class Stage0(StagePolicy):
         self.reduced.clear()
         self.earlier.clear()
         self.averaged.clear()
+        for scaled in self.scaled.values():
+            scaled.clear()
+        self.zeroed.clear()
         self.counts = None
         self.dirty = {u.index for u in self.units}
         for unit in self.units if self.keeps_gradients else []:

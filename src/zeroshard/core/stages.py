@@ -51,7 +51,7 @@ def lay_out(model: nn.Module, group_of: dict[int, int], comm: Comm, stage: int, 
     take_full(model.parameters())  # built under a stage-3 Init: whole again
     # named_parameters() yields a tied weight once, under its first name.
     units = build_units(list(model.named_parameters()), group_of, comm.world_size, bucket_numel,
-                        device)
+                        device, ddp_buckets=stage == 0)
     for unit in units:
         comm.broadcast(unit.flat, src=0)
     return units, None

@@ -340,3 +340,30 @@ def test_deepspeed_alias_targets_import():
         except ImportError as exc:
             missing.append(f"{target} ({exc})")
     assert not missing, f"alias targets that do not import: {missing}"
+
+
+def _core_classes() -> dict[str, ast.ClassDef]:
+    out = {}
+    for path in (PACKAGE / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out[f"{path.relative_to(PACKAGE)}:{node.name}"] = node
+    return out
+
+
+def test_no_class_in_core_is_over_250_lines():
+    # Issue 36: core's classes are parts with one job each (the stage-3 policy was one class of
+    # 429 lines); a class growing past this is the sign to split off a part.
+    long = {name: node.end_lineno - node.lineno + 1 for name, node in _core_classes().items()
+            if node.end_lineno - node.lineno + 1 > 250}
+    assert not long, long
+
+
+def test_no_stage_derives_from_another():
+    # Stages hold the parts they share (FullGradients, GradReducer, ParamGatherer) instead.
+    stages = {name.split(":")[1]: node for name, node in _core_classes().items()
+              if name.startswith("core/stage") and name.split(":")[1].startswith("Stage")}
+    assert {"Stage0", "Stage1", "Stage2", "Stage3"} <= set(stages), sorted(stages)
+    for name, node in stages.items():
+        bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+        assert bases == ["StagePolicy"], (name, bases)

@@ -208,25 +208,15 @@ class Stage0(StagePolicy):
             handle.wait()
         if send.numel() > unit.padded_numel:
             self.counts = send[unit.padded_numel:].clone()
-        averaged = self._average(unit, send[:unit.padded_numel])
-        if averaged.data_ptr() != self.grads.flats[index].data_ptr():
-            self.reduced[index] = averaged  # a wider dtype (bf16/fp16 gradients)
-
-    def _average(self, unit: Unit, summed: torch.Tensor) -> torch.Tensor:
-        """The average from the sum: only slots not scaled on their way in still need dividing
-        (the whole buffer when none was; zeroed stale slots need nothing either way)."""
+        summed = send[:unit.padded_numel]
         scaled = self.scaled[unit.index]
-        if not scaled:
-            return self.reduction.after(summed, self.comm.world_size)
-        if summed.data_ptr() != self.grads.flats[unit.index].data_ptr():
+        if scaled and summed.data_ptr() != self.grads.flats[unit.index].data_ptr():
             raise AssertionError(f"unit {unit.index}: gradients scaled on their way into a "
                                  "buffer that was reduced through a copy")
-        zeroed = self.zeroed.get(unit.index, ())
-        for i, slot in enumerate(unit.slots):
-            if i not in scaled and i not in zeroed:
-                self.reduction.after(summed[slot.offset:slot.offset + slot.numel],
-                                     self.comm.world_size)
-        return summed
+        averaged = average(self.reduction, unit, summed, self.comm.world_size, scaled,
+                           self.zeroed.get(unit.index, ()))
+        if averaged.data_ptr() != self.grads.flats[index].data_ptr():
+            self.reduced[index] = averaged  # a wider dtype (bf16/fp16 gradients)
 
     def _land_all(self) -> None:
         for index in list(self.in_flight):
@@ -302,3 +292,16 @@ class Stage0(StagePolicy):
         flats = {t.data_ptr() for t in self.grads.flats}
         extra = [*self.reduced.values(), *self.earlier.values()]
         return list(self.grads.flats) + [t for t in extra if t.data_ptr() not in flats]
+
+
+def average(reduction, unit: Unit, summed: torch.Tensor, world_size: int, scaled, zeroed
+            ) -> torch.Tensor:
+    """`unit`'s average from its all-reduced sum: only slots not scaled by 1/N on their way in
+    (`scaled`: slot indices) still need dividing (the whole buffer when none was; `zeroed` stale
+    slots need nothing either way)."""
+    if not scaled:
+        return reduction.after(summed, world_size)
+    for i, slot in enumerate(unit.slots):
+        if i not in scaled and i not in zeroed:
+            reduction.after(summed[slot.offset:slot.offset + slot.numel], world_size)
+    return summed

@@ -122,13 +122,13 @@ class LaunchOrder:
         return self.missing[unit.index] <= 0
 
     def ready(self, force: bool = False):
-        """Yield, in layout order, the units that may launch now and mark them launched; `force`:
-        every remaining one (end of backward: missing gradients count as zeros)."""
+        """Yield, in layout order, the units that may launch now (the caller's launch marks each
+        in `launched`, as a launch out of this order does); `force`: every remaining one (end of
+        backward: missing gradients count as zeros)."""
         while self.next < len(self.units):
             unit = self.units[self.next]
             if self.missing[unit.index] > 0 and not force:
                 return
             self.next += 1
             if unit.index not in self.launched:
-                self.launched.add(unit.index)
                 yield unit

@@ -11,7 +11,10 @@ steadier figure), and an optional cProfile of zeroshard's steps on rank 0 (`--pr
 
 DDP steps torch's fused AdamW, the kernel zeroshard picks by itself for a torch AdamW
 (`--ddp-optimizer default` gives DDP torch's CPU default, the slower per-tensor loop, as earlier
-runs of this bench did). Peak RSS cannot be told apart when both live in one process: `--only
+runs of this bench did). Both sides clip gradients as a new user's config does (`--clip`, default
+1.0: zeroshard's `gradient_clipping` default, DeepSpeed's since 0.19.3, and HF Trainer's
+`max_grad_norm`, whose DDP loop calls `clip_grad_norm_`); `--clip 0` compares neither clipping.
+Runs before 2026-12-03 had zeroshard clip at 1.0 and DDP not clip at all. Peak RSS cannot be told apart when both live in one process: `--only
 NAME` trains that one implementation alone (fresh processes, so run it once per implementation,
 interleaved) and prints its peak RSS, max over ranks.
 
@@ -37,13 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_zero  # noqa: E402 - the shared model and config
 
 
-def _step(model, opt, tokens) -> None:
+def _step(model, opt, tokens, clip: float) -> None:
     loss = model(input_ids=tokens, labels=tokens).loss
     if hasattr(model, "step") and hasattr(model, "backward"):  # a zeroshard engine
         model.backward(loss)
         model.step()
     else:
         loss.backward()
+        if clip > 0:  # what the engine's gradient_clipping does, in a DDP loop (HF Trainer's)
+            import torch
+
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -57,6 +64,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile zeroshard on rank 0")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank and step")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="gradient clipping on both sides: zeroshard's gradient_clipping "
+                             "(1.0 is its default, and DeepSpeed's since 0.19.3) and "
+                             "clip_grad_norm_ in DDP's loop; 0: neither clips")
     parser.add_argument("--ddp-optimizer", choices=("fused", "default"), default="fused",
                         help="DDP's AdamW kernel: fused (as zeroshard's) or torch's CPU default")
     parser.add_argument("--only", default=None,
@@ -89,8 +100,10 @@ def main() -> None:
         model = GPT2LMHeadModel(bench_zero.gpt2_config(args.size))
         options = argparse.Namespace(bucket=1e7, size=args.size, impl=f"zeroshard-s{stage}",
                                      micro_batch=args.micro_batch, desync="watchdog")
+        config = bench_zero.zero_config(options, stage, for_deepspeed=False)
+        config["gradient_clipping"] = args.clip
         engine, _, _, _ = zeroshard.initialize(
-            model=model, config=bench_zero.zero_config(options, stage, for_deepspeed=False),
+            model=model, config=config,
             optimizer=torch.optim.AdamW(model.parameters(), lr=bench_zero.LR, weight_decay=0.0))
         impls[f"zeroshard-s{stage}"] = (engine, None)
     if not impls:
@@ -109,7 +122,7 @@ def main() -> None:
             if profiling:
                 profiler.enable()
             c0, t0 = time.process_time(), time.perf_counter()
-            _step(model, opt, tokens)
+            _step(model, opt, tokens, args.clip)
             elapsed, used = time.perf_counter() - t0, time.process_time() - c0
             if profiling:
                 profiler.disable()
@@ -129,7 +142,8 @@ def main() -> None:
         cpus = {n: [sum(r[1][n][i] for r in every) for i in range(args.steps)] for n in cpu}
         base = slowest["ddp"]
         print(f"{args.size}: Psi = {psi:,}, {args.steps} paired steps, 2 ranks, micro batch "
-              f"{args.micro_batch} x {args.seq_len} tokens, DDP AdamW {args.ddp_optimizer}")
+              f"{args.micro_batch} x {args.seq_len} tokens, DDP AdamW {args.ddp_optimizer}, "
+              f"gradient clipping {args.clip:g} on both sides")
         for name, times in slowest.items():
             ratio = statistics.median(t / b for t, b in zip(times, base))
             cpu_ratio = statistics.median(c / b for c, b in zip(cpus[name], cpus["ddp"]))

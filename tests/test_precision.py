@@ -168,12 +168,67 @@ def _min_scale_error(rank, world, stage):
     return message
 
 
+def _stage0_without_norm(rank, world):
+    """Stage 0 without clipping or loss scaling: no gradient norm before the step (DDP forms
+    none); the norm is formed when asked for, and the inf/nan check is the losses'."""
+    batches = make_batches(3, MICRO * world)
+
+    def engine_with(clip):
+        model = make_model()
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            config=_config(0, gradient_clipping=clip))
+        return engine
+
+    def loss_of(engine, batch):
+        tokens, targets = micro_slice(batch, 0, rank, world, MICRO)
+        return lm_loss(engine(tokens), targets)
+
+    # A clip that never bites forms the norm before every step: the reference.
+    lazy, eager, stale = engine_with(0.0), engine_with(1e9), engine_with(0.0)
+    out = {"norms": [], "formed_before_asked": []}
+    for i, batch in enumerate(batches):
+        for engine in (lazy, eager, stale):
+            engine.backward(loss_of(engine, batch))
+            if engine is stale and i == 1:  # asked only after the next backward wrote
+                out["stale_answer"] = stale.get_global_grad_norm()
+            engine.step()
+        out["formed_before_asked"].append(lazy.optimizer.norm.value is not None)
+        out["norms"].append((lazy.get_global_grad_norm(), eager.get_global_grad_norm(),
+                             stale.get_global_grad_norm() if i else None))
+    out["same_params"] = all(torch.equal(a, b) for a, b in zip(lazy.module.parameters(),
+                                                               eager.module.parameters()))
+    for engine in (lazy, eager, stale):
+        engine.destroy()
+    # The script's own loss.backward(): its loss is not seen, so the gradients are checked.
+    engine = engine_with(0.0)
+    loss = loss_of(engine, batches[0])
+    loss.backward()
+    engine.step()
+    out["direct_formed"] = engine.optimizer.norm.value is not None
+    loss = loss_of(engine, batches[1])
+    if rank == world - 1:
+        loss = loss * float("nan")
+    before = _snapshot(engine)
+    loss.backward()
+    try:
+        engine.step()
+        out["direct_nan"] = None
+    except zeroshard.NonFiniteGradientError as err:
+        out["direct_nan"] = str(err)
+    out["direct_unchanged"] = _same(before, _snapshot(engine))
+    engine.destroy()
+    return out
+
+
 def _all(rank, world):
     return {stage: {"bf16": _bf16(rank, world, stage), "fp16": _fp16_overflow(rank, world, stage),
                     "nonfinite": _nonfinite_error(rank, world, stage),
                     "bf16_skip": _bf16_nonfinite(rank, world, stage, True),
                     "bf16_raise": _bf16_nonfinite(rank, world, stage, False),
-                    "min_scale": _min_scale_error(rank, world, stage)} for stage in STAGES}
+                    "min_scale": _min_scale_error(rank, world, stage),
+                    **({"no_norm": _stage0_without_norm(rank, world)} if stage == 0 else {})}
+            for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +288,57 @@ def test_nonfinite_gradient_raises_and_changes_nothing(results, stage):
         assert got["unchanged"]
         # counted as a skipped step, so a caller that catches the error stays on schedule
         assert got["counters"] == (1, 1, 1)
+
+
+def test_stage0_without_clipping_forms_the_norm_only_when_asked(results):
+    for rank_result in results:
+        got = rank_result[0]["no_norm"]
+        # Not formed before the first ask; from then on every step forms it.
+        assert got["formed_before_asked"] == [False, True, True]
+        for lazy, eager, _ in got["norms"]:
+            assert lazy == pytest.approx(eager, rel=1e-6) and eager > 0
+        # Asked first once the next backward had written over the gradients: no norm rather
+        # than a wrong one; the step after that forms it.
+        assert got["stale_answer"] is None
+        for _, eager, stale in got["norms"][1:]:
+            assert stale == pytest.approx(eager, rel=1e-6)
+        assert got["same_params"]  # the two paths apply the same update
+
+
+def test_stage0_checks_the_gradients_when_it_does_not_see_the_loss(results):
+    for rank, rank_result in enumerate(results):
+        got = rank_result[0]["no_norm"]
+        assert got["direct_formed"]
+        assert got["direct_nan"] is not None and "inf/nan" in got["direct_nan"], rank
+        assert got["direct_unchanged"]
+
+
+def test_loss_check_verdict():
+    from zeroshard.core.step_check import LossCheck
+
+    alone = LossCheck(1)
+    assert alone.verdict() is None  # no backward noted: the gradients are checked
+    alone.note(torch.tensor(1.5))
+    assert alone.verdict().item() == 0.0
+    alone.note(torch.tensor(float("inf")))
+    alone.note(torch.tensor(2.0))
+    assert alone.verdict().item() == 1.0  # any loss of the window
+    alone.note(None)
+    assert alone.verdict() is None  # one backward's loss unseen
+    alone.zero_grad()
+    alone.note(torch.tensor(float("nan")))
+    assert alone.verdict().item() == 1.0
+    carried = LossCheck(2)
+    carried.note(torch.tensor(1.0))
+    assert carried.verdict() is None  # not exchanged yet
+    slot = torch.zeros(1)
+    carried.write(slot)
+    carried.note(torch.tensor(1.0))  # a backward after the flags were sent
+    carried.land(slot + 1.0)  # another rank's inf/nan
+    assert carried.verdict() is None
+    carried.write(slot)
+    carried.land(slot + 1.0)
+    assert carried.verdict().item() == 1.0
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -213,6 +213,7 @@ class Engine(nn.Module):
             raise RuntimeError(REFUSAL.format(what="engine.backward"))
         scale = self.scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         self.optimizer.policy.expect_boundary(self.is_gradient_accumulation_boundary())
+        self.optimizer.policy.note_loss(loss)
         if not self._managed:
             self._backwards += 1
         with self.comm.phase("backward"), self._watch.backward(loss), \

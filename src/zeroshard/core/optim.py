@@ -9,7 +9,10 @@ is the same for every stage:
      updates (`muon_exchange.py`: two all-to-alls between the ranks holding and owning matrices);
   3. one scalar all-reduce gives the global gradient norm over all shards, which detects fp16
      overflow and drives clipping; unscaling and clipping are applied as one multiply, by a
-     factor computed on the device (min(1, clip / (norm + 1e-6)) / loss scale);
+     factor computed on the device (min(1, clip / (norm + 1e-6)) / loss scale). Stage 0 without
+     clipping or loss scaling forms no norm (DDP forms none): its inf/nan check is then the
+     losses' (`step_check.LossCheck`), and the norm is formed only if asked for
+     (`last_grad_norm`);
   4. the user's optimizer steps over the shard parameters (fused kernel where torch has one).
      An inf/nan norm is not read on the host before the step: torch's fused kernels take it as
      `found_inf` and leave parameters and state untouched; the host reads that one flag after
@@ -32,9 +35,10 @@ import torch
 from torch import nn
 
 from ..dist import Comm, default_device
-from ..dist.hostmem import host_empty, host_region, is_host, to_device
+from ..dist.hostmem import host_region
 from . import extensions
 from ..dist.hostsync import HostSyncs
+from .grad_norm import StepNorm, norm_and_flag
 from .layout import Unit
 from .owners import forget, register
 from .policy import StagePolicy
@@ -89,8 +93,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.muon = muon
         #: The compute device: units are gathered and computed with here.
         self.device = units[0].compute_device if units else default_device()
-        #: The unclipped global gradient norm of the last applied step, as a device tensor.
-        self.grad_norm: torch.Tensor | None = None
+        #: The unclipped global gradient norm of the last applied step (grad_norm.py).
+        self.norm = StepNorm()
         self.step_applied = False
         #: Host synchronization points of the step, counted by reason (shared with the parts).
         self.syncs = syncs
@@ -194,13 +198,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Newton-Schulz drops the loss scale; the update gets it back, so the norm, the
             # overflow check and the unscaling treat it as they treat a gradient.
             grads = self.muon.orthogonalize(grads, scale)
-        total, counts = global_sq_norm(self.placement.sq_norm(grads), self.comm, self.device,
-                                       self.policy.shards_optimizer)
-        if counts is None:  # stage 0: the counts came with the gradients' last all-reduce
-            counts = self.policy.received_counts()
+        norm, found_inf, counts = norm_and_flag(self, grads, scale)
         self.steps += 1
-        norm = total.sqrt() / scale
-        found_inf = (~torch.isfinite(total)).to(torch.float32)
         factor = clip_factor(norm, scale, self.clip_norm)
         masked = self.placement.can_mask()
         if counts is not None:
@@ -230,7 +229,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._skip()
         if self.muon is not None:
             self.muon.commit()
-        self.grad_norm = norm
+        self.norm.formed(norm, grads, self.policy.grad_token())
         self.scaler.update(overflow=False, step=self.steps)
         self.step_applied = True
         return True
@@ -255,7 +254,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.placement.drop_grads()
         if self.muon is not None:
             self.muon.discard()
-        self.grad_norm = None
+        self.norm.drop()
         if self.scaler.enabled:
             self.scaler.update(overflow=True, step=self.steps)
             self.step_applied = False
@@ -272,11 +271,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise NonFiniteGradientError(message)
 
     @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The last applied step's unclipped global gradient norm, a device tensor (grad_norm.py:
+        formed now if that step deferred it), or None."""
+        return self.norm.tensor(self.policy.grad_token())
+
+    @property
     def last_grad_norm(self) -> float | None:
-        """The unclipped global gradient norm of the last applied step (read on the host now)."""
-        if self.grad_norm is None:
-            return None
-        return float(self.syncs.read(self.grad_norm, "grad norm asked for"))
+        """The same, read on the host now."""
+        norm = self.grad_norm
+        return None if norm is None else float(self.syncs.read(norm, "grad norm asked for"))
 
     # -- ledger ----------------------------------------------------------------------------------
     def ledger(self) -> list[tuple[str, str, list[torch.Tensor]]]:
@@ -309,28 +313,7 @@ def nonfinite_message(opt: ZeroOptimizer, skipped: bool = False) -> str:
             "log of 0, too high learning rate) or use fp16 loss scaling / bf16.")
 
 
-def global_sq_norm(local: torch.Tensor, comm: Comm, device: torch.device,
-                   sharded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sum of squares of the (still scaled) gradient over all shards of all ranks, a 0-dim
-    float64 tensor on the compute `device`, from this rank's sum `local` (float64, shape [1], in
-    host memory under optimizer offload); and every rank's step counts, which the all-reduce
-    carries after the sum (`step_check.py`; None when there is no all-reduce: `sharded` false,
-    every rank stepped everything)."""
-    if not sharded:
-        return local.reshape(()), None
-    extra = step_check.tail_numel(comm.world_size)
-    if extra:  # the counts join the sum where it is (host memory under offload)
-        both = host_empty(1 + extra, torch.float64) if is_host(local) else \
-            torch.empty(1 + extra, dtype=torch.float64, device=local.device)
-        both[:1].copy_(local.reshape(1))
-        step_check.write_counts(both[1:], comm.rank)
-        local = both
-    local = to_device(local, device)  # NCCL takes device tensors only
-    comm.all_reduce(local, checked=extra)
-    return local[0], (local[1:] if extra else None)
-
-
-def clip_factor(norm: torch.Tensor, scale: float, clip_norm: float):
+def clip_factor(norm: torch.Tensor | None, scale: float, clip_norm: float):
     """What the gradients are multiplied by: 1/scale as a float without clipping, else a device
     tensor (1/scale) x min(1, clip / (norm + 1e-6)), never read on the host."""
     if clip_norm <= 0:

@@ -116,6 +116,19 @@ class StagePolicy:
         `step_check.py`); None: the norm's all-reduce carries them."""
         return None
 
+    def note_loss(self, loss: torch.Tensor | None) -> None:
+        """Told, before each engine backward, the loss it runs on (None: not seen)."""
+
+    def loss_verdict(self) -> torch.Tensor | None:
+        """A 0-dim inf/nan flag that stands in for the gradient norm's check (stage 0's
+        `step_check.LossCheck`); None: the step checks the gradient norm."""
+        return None
+
+    def grad_token(self) -> int | None:
+        """A value that changes whenever the gradients the step read are written again (None:
+        not tracked)."""
+        return None
+
     def replica_position(self) -> int:
         """Which replica of its shard group this rank is in (0 unless shards are replicated, as
         under MiCS): checkpoints write shards from replica 0 only."""

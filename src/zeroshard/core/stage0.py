@@ -28,7 +28,9 @@ Communication plan, per optimizer step:
      Ring cost either way: 2 x Psi x (N-1)/N elements of the communication dtype per rank.
      The last all-reduce of each round (the last unit's, whose buffer has room for it) also
      carries every rank's step counts (`step_check.py`): a rank that skipped a step or a backward
-     is caught at the step that follows, not at exit.
+     is caught at the step that follows, not at exit; and after them whether any rank's loss in
+     the window was inf/nan (`step_check.LossCheck`), the step's inf/nan guard when it needs no
+     gradient norm (no clipping or loss scaling: no pass over the gradients that DDP does not make).
   3. step: every rank steps the whole of every unit (optimizer state is fully replicated); the
      parameters are views into the flat buffers, so they are current with no further collective.
 """
@@ -43,7 +45,7 @@ from ..dist import Comm
 from .layout import Unit
 from .policy import MAX_IN_FLIGHT, FullGradients, StagePolicy
 from .spec import StageSpec
-from .step_check import tail_numel, write_counts
+from .step_check import CarriedChecks
 from ..dist.streams import Streams
 from .training_state import LaunchOrder, StepState, TrainingState, hook_outputs
 
@@ -56,10 +58,12 @@ class Stage0(StagePolicy):
 
     def __init__(self, units: list[Unit], comm: Comm, spec: StageSpec, *,
                  module: torch.nn.Module | None, streams: Streams, syncs=None, early=None):
-        """Full gradient buffers (each with room for the step counts after it), and the hooks
+        """Full gradient buffers (each with room for the carried checks after it), and the hooks
         that overlap the all-reduce with backward (`syncs` / `early` unused at stage 0)."""
         super().__init__(units, comm, spec, module=module, streams=streams)
-        self.grads = FullGradients(units, spec.keeps_gradients, extra=tail_numel(comm.world_size))
+        self.checks = CarriedChecks(comm.world_size, comm.rank)  # room after each buffer
+        self.grads = FullGradients(units, spec.keeps_gradients, extra=self.checks.numel())
+        self.generation = 0  # counts gradient writes: the buffers changed since a step
         self.state = StepState(self._end_of_backward, self.stage)
         self.order = LaunchOrder(units)
         self.reduced: dict[int, torch.Tensor] = {}  # averaged copies in a wider dtype
@@ -68,19 +72,14 @@ class Stage0(StagePolicy):
         self.dirty = {u.index for u in units}  # buffers changed since their reduction
         self.armed = True  # whether the coming backward communicates (the boundary's does)
         self.in_flight: dict[int, tuple] = {}  # unit index -> (unit, send, handle)
-        self.counts: torch.Tensor | None = None  # every rank's step counts, from the last round
         # Parameters whose gradient views hold stale values since zero_grad (`.grad` is None
         # until autograd's first gradient is copied in): unit index -> slot indices.
         self.stale: dict[int, set[int]] = {}
         self.overlapping = self.overlap and module is not None and comm.world_size > 1
-        # Averaging on the way in (`_grad_hook`), where backward reduces (no half-scaled local
-        # gradients are ever seen after it) in place: the factor per unit (None: divided after
-        # the sum), and the slots whose gradients were scaled by it since zero_grad.
-        n = comm.world_size
-        self.scale_in = {u.index: self.reduction.exact_post_factor(n)
-                         if self.overlapping and self.reduction.pre_factor(n) == 1.0
-                         and self.reduction.comm_dtype(u.dtype) == u.dtype else None
-                         for u in units}
+        # Averaging on the way in (`_grad_hook`): the factor per unit (None: divided after the
+        # sum), and the slots whose gradients were scaled by it since zero_grad.
+        self.scale_in = {u.index: scale_in(self.reduction, u, comm.world_size)
+                         if self.overlapping else None for u in units}
         self.scaled: dict[int, set[int]] = {u.index: set() for u in units}
         self.zeroed: dict[int, set[int]] = {}  # stale slots zeroed when their unit launched
         self.grads.hook(self.hooks, self._grad_hook)
@@ -95,19 +94,17 @@ class Stage0(StagePolicy):
 
     def _grad_hook(self, unit: Unit, slot: int, view: torch.Tensor):
         """After autograd accumulated a gradient: the first one since zero_grad is copied into
-        the view (no longer stale), and the unit launched once complete (overlap).
-
-        In the backward that communicates, that copy also averages, as DDP does on its way into
-        its buckets: the gradient is multiplied by 1/N (where that is exact, `scale_in`), so no
-        pass over the buffer divides the sum afterwards. Gradients added to a scaled slot later
-        are scaled before they land (`_before_grad`); slots that got theirs unscaled (earlier
-        micro-steps) are divided after the sum, as before."""
+        the view (no longer stale), times 1/N in the backward that communicates (`scale_in`, as
+        DDP averages on its way into a bucket; what is added to a scaled slot later is scaled in
+        `_before_grad`, unscaled slots are divided after the sum); the unit is launched once
+        complete (overlap)."""
         index = unit.index
         overlapping = self.overlapping
         factor = self.scale_in[index]
         scaled = self.scaled[index]
 
         def hook(param) -> None:
+            self.generation += 1
             grad = param.grad
             if grad is not None and grad.data_ptr() != view.data_ptr():
                 if factor is not None and self.armed:
@@ -128,6 +125,10 @@ class Stage0(StagePolicy):
     def expect_boundary(self, boundary: bool) -> None:
         """Whether the next backward ends an accumulation window (only then it communicates)."""
         self.armed = boundary
+
+    def note_loss(self, loss: torch.Tensor | None) -> None:
+        """A backward of `loss` begins (None: one whose loss is not seen), for `LossCheck`."""
+        self.checks.loss.note(loss)
 
     # -- backward ------------------------------------------------------------------------------
     def _begin_backward(self, _grad=None) -> None:
@@ -180,7 +181,7 @@ class Stage0(StagePolicy):
         n = self.comm.world_size
         flat = self.grads.flats[unit.index]
         dtype = self.reduction.comm_dtype(flat.dtype)
-        extra = tail_numel(n) if carries else 0
+        extra = self.checks.numel() if carries else 0
         if dtype == flat.dtype:
             # The buffer's own storage runs on past it: room for the counts.
             send = flat.as_strided((unit.padded_numel + extra,), (1,))
@@ -189,7 +190,7 @@ class Stage0(StagePolicy):
             send[:unit.padded_numel].copy_(flat)
         self.reduction.before(send[:unit.padded_numel], n)
         if extra:
-            write_counts(send[unit.padded_numel:], self.comm.rank)
+            self.checks.write(send[unit.padded_numel:])
         self.dirty.discard(unit.index)
         self.order.launched.add(unit.index)
         if send.data_ptr() == flat.data_ptr():
@@ -207,15 +208,11 @@ class Stage0(StagePolicy):
         if handle is not None:
             handle.wait()
         if send.numel() > unit.padded_numel:
-            self.counts = send[unit.padded_numel:].clone()
-        summed = send[:unit.padded_numel]
-        scaled = self.scaled[unit.index]
-        if scaled and summed.data_ptr() != self.grads.flats[unit.index].data_ptr():
-            raise AssertionError(f"unit {unit.index}: gradients scaled on their way into a "
-                                 "buffer that was reduced through a copy")
-        averaged = average(self.reduction, unit, summed, self.comm.world_size, scaled,
-                           self.zeroed.get(unit.index, ()))
-        if averaged.data_ptr() != self.grads.flats[index].data_ptr():
+            self.checks.land(send[unit.padded_numel:])
+        in_place = send.data_ptr() == self.grads.flats[index].data_ptr()
+        averaged = average(self.reduction, unit, send[:unit.padded_numel], self.comm.world_size,
+                           self.scaled[index], self.zeroed.get(index, ()), in_place)
+        if not in_place:
             self.reduced[index] = averaged  # a wider dtype (bf16/fp16 gradients)
 
     def _land_all(self) -> None:
@@ -244,7 +241,16 @@ class Stage0(StagePolicy):
 
     def received_counts(self) -> torch.Tensor | None:
         """Every rank's step counts from this step's last all-reduce (`step_check.py`), or None."""
-        return self.counts
+        return self.checks.counts
+
+    def loss_verdict(self) -> torch.Tensor | None:
+        """Whether any rank's loss in the window was inf/nan (`LossCheck.verdict`), while the
+        gradients the step reads are the buffers themselves; else None."""
+        return None if self.reduced else self.checks.loss.verdict()
+
+    def grad_token(self) -> int:
+        """Changes whenever a gradient is written into the buffers."""
+        return self.generation
 
     def grad_shard(self, unit) -> torch.Tensor:
         """The unit's averaged gradient (in the communication dtype) once reduced."""
@@ -269,7 +275,7 @@ class Stage0(StagePolicy):
         for scaled in self.scaled.values():
             scaled.clear()
         self.zeroed.clear()
-        self.counts = None
+        self.checks.zero_grad()
         self.dirty = {u.index for u in self.units}
         for unit in self.units if self.keeps_gradients else []:
             self.stale[unit.index] = set(range(len(unit.slots)))
@@ -294,11 +300,23 @@ class Stage0(StagePolicy):
         return list(self.grads.flats) + [t for t in extra if t.data_ptr() not in flats]
 
 
-def average(reduction, unit: Unit, summed: torch.Tensor, world_size: int, scaled, zeroed
-            ) -> torch.Tensor:
+def scale_in(reduction, unit: Unit, world_size: int) -> float | None:
+    """The factor that averages `unit`'s gradients as they are copied in, where backward reduces
+    them in place and multiplying by it is exact (no half-scaled local gradient is ever seen
+    after the reduction); None: the sum is divided after it."""
+    if reduction.pre_factor(world_size) != 1.0 or reduction.comm_dtype(unit.dtype) != unit.dtype:
+        return None
+    return reduction.exact_post_factor(world_size)
+
+
+def average(reduction, unit: Unit, summed: torch.Tensor, world_size: int, scaled, zeroed,
+            in_place: bool) -> torch.Tensor:
     """`unit`'s average from its all-reduced sum: only slots not scaled by 1/N on their way in
     (`scaled`: slot indices) still need dividing (the whole buffer when none was; `zeroed` stale
-    slots need nothing either way)."""
+    slots need nothing either way). `in_place`: `summed` is the gradient buffer itself."""
+    if scaled and not in_place:
+        raise AssertionError(f"unit {unit.index}: gradients scaled on their way into a buffer "
+                             "that was reduced through a copy")
     if not scaled:
         return reduction.after(summed, world_size)
     for i, slot in enumerate(unit.slots):

@@ -124,6 +124,7 @@ class UserBackward:
                 "engine.backward(loss), or engine.scale(loss).backward() (as with DeepSpeed)")
         engine._count_backward()
         engine.optimizer.policy.expect_boundary(engine.is_gradient_accumulation_boundary())
+        engine.optimizer.policy.note_loss(None)  # its loss is the script's: not seen here
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the fp16 loss scale (1 without loss scaling), for `.backward()`."""

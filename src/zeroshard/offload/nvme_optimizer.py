@@ -73,10 +73,13 @@ class NvmePlacement(Placement):
             self.masters.append(nn.Parameter(self.placeholder, requires_grad=True))
         reseat(optimizer, units, self.masters)
 
-    def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def sq_norm(self, grads: list[torch.Tensor], norm: bool = True) -> torch.Tensor | None:
         """Sum of squares of the gradients, one unit at a time (no fp32 copy of all of them),
-        formed where they are: on the device at stage 1, in host memory at stages 2-3."""
+        formed where they are: on the device at stage 1, in host memory at stages 2-3 (None with
+        `norm` false: the gradients are only kept for the step)."""
         self.grads = grads
+        if not norm:
+            return None
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g.numel()]
         if not norms:
             return torch.zeros(1, dtype=torch.float64, device=self.compute_device)

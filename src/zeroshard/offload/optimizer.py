@@ -103,9 +103,9 @@ class Placement:
         return self.early is not None and self.early.active
 
     # -- the step ----------------------------------------------------------------------------------
-    def sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def sq_norm(self, grads: list[torch.Tensor], norm: bool = True) -> torch.Tensor | None:
         """Attach gradients (in the masters' dtype) to the masters; return the local sum of their
-        squares (float64)."""
+        squares (float64), or None with `norm` false (attached only: the step needs no norm)."""
         if self._early_now():
             return self._early_sq_norm(grads)
         fp32 = []
@@ -123,6 +123,8 @@ class Placement:
             fp32.append(g)
         if copied:  # the CPU reads them next: wait once for every copy queued above
             self.syncs.wait(self.streams.record(), "offload: gradients reach host memory")
+        if not norm:
+            return None
         if not fp32:
             return host_zeros(1, torch.float64)
         # _foreach_norm reduces without materialising squared copies of the shards (bf16 master

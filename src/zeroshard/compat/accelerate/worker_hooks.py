@@ -52,9 +52,13 @@ def _no_accelerator(chosen, kind, no, cpu, sagemaker_dp) -> bool:
             and int(os.environ.get("LOCAL_RANK", -1)) != -1)
 
 
+_announced = []
+
+
 def _announce_multi_cpu(world: int) -> None:
-    """One line on rank 0: accelerate's workers become one MULTI_CPU group."""
-    if os.environ.get("RANK", "0") == "0":
+    """One line on rank 0, once: accelerate's workers become one MULTI_CPU group."""
+    if os.environ.get("RANK", "0") == "0" and not _announced:
+        _announced.append(world)
         print(f"zeroshard run: no accelerator on this host; accelerate's {world} workers form one "
               "gloo group (DistributedType.MULTI_CPU, as with Accelerator(cpu=True)) instead of "
               f"{world} separate single-process runs", file=sys.stderr, flush=True)

@@ -3,9 +3,10 @@ models, no hub): the real `accelerate.Accelerator` in the seed's loop from an `a
 YAML at stages 2 and 3, transformers' Trainer with `--deepspeed` (the docs' "auto" ZeRO-3 config
 with CPU offload) training, saving, reloading with from_pretrained and resuming bitwise, TRL's own
 `sft.py` and `grpo.py` (generation between steps) at stage 3, accelerate's DeepSpeed environment
-from the launcher, and the launcher's refusal of a job given a DeepSpeed config that builds no
-engine (the package metadata the workers see is checked in test_launcher_flags.py). Each launch is
-one real job; they are few and small."""
+from the launcher, `Accelerator()` and the Trainer without DeepSpeed forming one CPU group, and
+the launcher's refusal of a job given a DeepSpeed config that builds no engine (the package
+metadata the workers see is checked in test_launcher_flags.py). Each launch is one real job; they
+are few and small."""
 
 from __future__ import annotations
 
@@ -134,6 +135,60 @@ def test_accelerator_cpu_true_under_a_deepspeed_yaml_is_an_error(tmp_path):
     res = launch(["--config_file", config, "--nproc-per-node", "1", str(script)], tmp_path)
     assert res.returncode != 0
     assert "distributed_type: DEEPSPEED" in res.stderr and "cpu=True" in res.stderr
+
+
+PLAIN_ACCELERATE = """
+import json, os, sys, torch
+from accelerate import Accelerator
+from transformers import Trainer, TrainingArguments
+
+acc = Accelerator()
+seen = {"type": str(acc.distributed_type), "processes": acc.num_processes,
+        "index": acc.process_index, "local": acc.local_process_index,
+        "gathered": acc.gather(torch.tensor([acc.process_index * 10 + 1])).tolist()}
+
+
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.lin(x).squeeze(-1), labels)}
+
+
+g = torch.Generator().manual_seed(0)
+data = [{"x": torch.randn(4, generator=g), "labels": torch.randn((), generator=g)} for _ in range(8)]
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, per_device_train_batch_size=2,
+                         report_to="none", save_strategy="no", learning_rate=0.1, seed=0)
+trainer = Trainer(model=Linear(), args=args, train_dataset=data)
+trainer.train()
+state = trainer.accelerator.state
+seen["trainer"] = {"type": str(state.distributed_type), "processes": state.num_processes,
+                   "world": args.world_size, "wrapped": type(trainer.model_wrapped).__name__}
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as fh:
+    json.dump(seen, fh)
+"""
+
+
+def test_plain_accelerator_and_trainer_on_cpu_ranks_form_one_group(tmp_path):
+    """No config, no DeepSpeed, no cpu=True: `Accelerator()` and transformers' Trainer in two
+    workers on a CPU-only host form one gloo group (MULTI_CPU), as with cpu=True, instead of
+    accelerate's two single-process runs (DistributedType.NO); rank 0 says so once."""
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA accelerate picks its own backend and the hook stays out")
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_ACCELERATE)
+    res = launch([str(script), str(tmp_path)], tmp_path)
+    _ok(res)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for rank, got in enumerate(seen):
+        assert (got["type"], got["processes"], got["index"], got["local"]) == \
+            ("DistributedType.MULTI_CPU", WORLD, rank, rank), got
+        assert got["gathered"] == [1, 11], got  # an all-gather across both workers
+        assert got["trainer"] == {"type": "DistributedType.MULTI_CPU", "processes": WORLD,
+                                  "world": WORLD, "wrapped": "DistributedDataParallel"}, got
+    assert res.stderr.count("accelerate's 2 workers form one gloo group") == 1, res.stderr[-3000:]
 
 
 # -- transformers' Trainer and TRL with --deepspeed -------------------------------------------------

@@ -16,7 +16,9 @@ file, each mapped onto torchrun options (compat/deepspeed/launcher_flags.py), an
   an option or imports deepspeed (DeepSpeed's launcher always passes it; torchrun never does);
 * `import deepspeed` in the workers loads zeroshard when DeepSpeed is not installed
   (compat/deepspeed/alias.py; `--alias-deepspeed` when it is), deepspeed's package metadata
-  answers there, and accelerate gets gloo on a host without GPUs (compat/accelerate/worker_hooks.py);
+  answers there, and on a host without GPUs accelerate's workers form one gloo group: DEEPSPEED
+  when DeepSpeed is asked for, else MULTI_CPU as with `Accelerator(cpu=True)` (accelerate alone
+  would run each worker as a world of one; rank 0 says so; compat/accelerate/worker_hooks.py);
 * a launch handed a DeepSpeed config in which no worker built an engine fails (`--no-zero-check`);
 * on Linux the workers die with the launcher, even when it is SIGKILLed (a parent-death signal:
   `workers_die_with_launcher`), so no orphan goes on training and saving;
@@ -84,6 +86,8 @@ Accelerate:
                                     DEEPSPEED the workers get accelerate launch's DeepSpeed
                                     environment (the real accelerate drives zeroshard) and the
                                     file (zeroshard.Accelerator reads it)
+  without GPUs, accelerate in 2+ workers forms one gloo group (DEEPSPEED when asked for, else
+  MULTI_CPU as with Accelerator(cpu=True)) where alone it would run each worker as a world of one
 ZeRO engaged or an error:
   a launch given a DeepSpeed config (that YAML, or --deepspeed / --deepspeed_config x.json among
   the script's arguments) in which no worker built a ZeRO engine exits 1 saying so;

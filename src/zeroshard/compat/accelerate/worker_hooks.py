@@ -4,13 +4,22 @@ The launcher sets ZEROSHARD_WORKER_HOOKS=1 next to the `import deepspeed` alias;
 `sitecustomize.py` then loads this file before the script runs. It imports neither torch nor
 zeroshard, and patches only when the library concerned is imported:
 
-* **accelerate on a CPU-only host.** With `ACCELERATE_USE_DEEPSPEED=true` (an accelerate config
-  with `distributed_type: DEEPSPEED`, or transformers' `--deepspeed`), accelerate's
-  `PartialState` finds no accelerator, picks no backend and then counts one process per
-  worker: every rank trains alone on all the data (real DeepSpeed fails the same way there).
-  Here that one case gets the gloo backend, so accelerate counts the real world, DeepSpeed's
-  `init_distributed` (zeroshard's) starts gloo, and the state becomes DEEPSPEED. With an
-  accelerator present, or without DeepSpeed asked for, accelerate is left alone.
+* **accelerate on a CPU-only host.** Launched by torchrun (LOCAL_RANK set) and not told
+  `cpu=True`, accelerate's `PartialState` asks for the accelerator's backend; without one it
+  picks none and counts one process per worker, so every rank trains alone on all the data (under
+  plain torchrun too). transformers' Trainer without `--use_cpu` hits the same path; with
+  `--ddp_backend gloo` it gets a group of the right size but no DDP wrapping, so the ranks train
+  on their shards without syncing gradients. Here, when accelerate found no accelerator backend
+  (or was asked for gloo and found no accelerator):
+  - with `ACCELERATE_USE_DEEPSPEED=true` (an accelerate config with `distributed_type:
+    DEEPSPEED`, or transformers' `--deepspeed`) the state gets gloo, so accelerate counts the
+    real world, DeepSpeed's `init_distributed` (zeroshard's) starts gloo, and the state becomes
+    DEEPSPEED;
+  - otherwise, with WORLD_SIZE > 1, the state becomes MULTI_CPU over gloo, exactly what
+    `Accelerator(cpu=True)` gives: one process group over all workers, num_processes = WORLD_SIZE,
+    process_index = RANK, DDP in `prepare`, dataloaders sharded. Rank 0 prints one line saying so.
+  With an accelerator present, with `cpu=True` (accelerate already does MULTI_CPU), with another
+  backend asked for, or with one worker, accelerate is left alone.
 * **Never silent.** When the launcher's accelerate config asked for DeepSpeed
   (ZEROSHARD_ACCELERATE_DEEPSPEED=<yaml path>) and accelerate's state still ends up without it
   (`Accelerator(cpu=True)`, or `ACCELERATE_USE_CPU`), the worker stops with an error saying so.
@@ -33,21 +42,46 @@ class AccelerateDeepSpeedError(RuntimeError):
 
 
 def _flag(name: str) -> bool:
+    """Whether the environment variable `name` is set to a true value."""
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
 
+def _no_accelerator(chosen, kind, no, cpu, sagemaker_dp) -> bool:
+    """Whether accelerate, launched by torchrun without cpu=True, found no accelerator."""
+    return (chosen in (None, "gloo") and kind == no and not cpu and not sagemaker_dp
+            and int(os.environ.get("LOCAL_RANK", -1)) != -1)
+
+
+_announced = []
+
+
+def _announce_multi_cpu(world: int) -> None:
+    """One line on rank 0, once: accelerate's workers become one MULTI_CPU group."""
+    if os.environ.get("RANK", "0") == "0" and not _announced:
+        _announced.append(world)
+        print(f"zeroshard run: no accelerator on this host; accelerate's {world} workers form one "
+              "gloo group (DistributedType.MULTI_CPU, as with Accelerator(cpu=True)) instead of "
+              f"{world} separate single-process runs", file=sys.stderr, flush=True)
+
+
 def patch_accelerate_state(module) -> None:
-    """Give `PartialState` gloo on a CPU-only DeepSpeed launch; check the state it ends with."""
+    """Give `PartialState` gloo on a CPU-only torchrun launch; check the state it ends with."""
     partial, full = module.PartialState, module.AcceleratorState
     if getattr(partial, "_zeroshard_patched", False):
         return
     prepare_backend, full_init = partial._prepare_backend, full.__init__
+    no, multi_cpu = module.DistributedType.NO, module.DistributedType.MULTI_CPU
 
     def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         chosen, kind = prepare_backend(self, cpu, sagemaker_dp, backend)
-        if (chosen is None and not cpu and not sagemaker_dp and _flag("ACCELERATE_USE_DEEPSPEED")
-                and int(os.environ.get("LOCAL_RANK", -1)) != -1):
-            return "gloo", kind  # no accelerator: DeepSpeed's ranks talk over gloo
+        if not _no_accelerator(chosen, kind, no, cpu, sagemaker_dp):
+            return chosen, kind
+        if _flag("ACCELERATE_USE_DEEPSPEED"):
+            return "gloo", kind  # DeepSpeed's ranks talk over gloo; the state becomes DEEPSPEED
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world > 1:
+            _announce_multi_cpu(world)
+            return "gloo", multi_cpu  # accelerate's own cpu=True path from here on
         return chosen, kind
 
     def __init__(self, *args, **kwargs):

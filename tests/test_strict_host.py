@@ -244,13 +244,13 @@ def _undone(module, name, replacement, run):
 
 def _caught(rank, world, root):
     from zeroshard import build as build_module
-    from zeroshard.core import grad_reducer, init_units, optim
+    from zeroshard.core import grad_norm, grad_reducer, init_units
     from zeroshard.offload import nvme_optimizer as nvme_placement
     from zeroshard.offload import optimizer as placements
 
     cpu, nvme = {"device": "cpu"}, {"device": "nvme", "nvme_path": root}
     return {
-        "norm": _undone(optim, "to_device", lambda t, d: t,
+        "norm": _undone(grad_norm, "to_device", lambda t, d: t,
                         lambda: _one_step(2, offload_optimizer=cpu)),
         "init": _undone(init_units, "to_device", lambda t, d: t, _build_under_init),
         "buffers": _undone(build_module, "to_device", lambda t, d: t,
@@ -328,7 +328,7 @@ def test_gloo_with_device_tensors_runs_on_host_copies(results, what):
 
 
 @pytest.mark.parametrize("bug,where", [
-    ("norm", "all_reduce at optim.py"), ("init", "broadcast at init_units.py"),
+    ("norm", "all_reduce at grad_norm.py"), ("init", "broadcast at init_units.py"),
     ("buffers", "broadcast at build.py"), ("landing", "aten.add_.Tensor at grad_reducer.py"),
     ("stage1", "aten._fused_adamw_.default at optimizer.py"),
     ("stage1-nvme", "aten._fused_adamw_.default at nvme_optimizer.py")])

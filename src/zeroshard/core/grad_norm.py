@@ -58,11 +58,12 @@ def global_sq_norm(local: torch.Tensor, comm: Comm, device: torch.device,
     return local[0], (local[1:] if extra else None)
 
 
-def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squares of every element of `tensors`, a 0-dim float64 tensor."""
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of `tensors`, a 0-dim float64 tensor (on
+    `device` when there are none)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return torch.stack(norms).double().pow(2).sum()
 
@@ -70,8 +71,9 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 class StepNorm:
     """The last applied step's norm: a device tensor, or the gradients to form it from."""
 
-    def __init__(self):
-        """No step yet."""
+    def __init__(self, device: torch.device):
+        """No step yet; `device`: the compute device."""
+        self.device = device
         self.value: torch.Tensor | None = None  # 0-dim, on the compute device; never read early
         self.later: tuple[list[torch.Tensor], int | None] | None = None
         #: The norm was asked for after a step that formed none: every step forms it now.
@@ -94,5 +96,5 @@ class StepNorm:
             grads, token = self.later
             self.later = None
             if token == token_now:
-                self.value = sum_of_squares(grads).sqrt()
+                self.value = sum_of_squares(grads, self.device).sqrt()
         return self.value

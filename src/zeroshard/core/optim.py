@@ -94,7 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #: The compute device: units are gathered and computed with here.
         self.device = units[0].compute_device if units else default_device()
         #: The unclipped global gradient norm of the last applied step (grad_norm.py).
-        self.norm = StepNorm()
+        self.norm = StepNorm(self.device)
         self.step_applied = False
         #: Host synchronization points of the step, counted by reason (shared with the parts).
         self.syncs = syncs

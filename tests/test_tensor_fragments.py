@@ -2,12 +2,13 @@
 core/fragments.py and core/fragment_grads.py) against torch's AdamW in one process.
 
 One world of two ranks trains the same model at stages 0-3, with the optimizer on the device, in
-CPU memory (stages 1-3) and in NVMe swap files (stage 3), and with bf16 compute at stage 2. Each
-engine runs beside a single-process reference fed the global batch, and through the API:
-gradients read after backward are the reference's, the ranks' local pieces laid end to end are
-the whole; set gradients, masters and optimizer states (full and local) read back as set and
-change the next forward and step as the same change does to the reference; frozen parameters
-read None and refuse writes, as do wrong sizes and unknown state keys.
+CPU memory (stages 1-3) and in NVMe swap files (stage 3), with bf16 compute at stage 2, and at
+stage 3 with every parameter persistent (whole on each rank). Each engine runs beside a
+single-process reference fed the global batch and, through the API, checks that: gradients read
+after backward are the reference's; the ranks' local pieces laid end to end are the whole; set
+gradients, masters and optimizer states (full and local) read back as set and change the next
+forward and step as the same change does to the reference; frozen parameters read None and
+refuse writes, as do wrong sizes and unknown state keys.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from zeroshard.compat.deepspeed.utils import (
 WORLD = 2
 DIM = 6
 LR, WD = 0.05, 0.01
-#: (name, stage, offload_optimizer device, compute dtype)
+#: (name, stage, offload_optimizer device, compute dtype); "s3_whole": every parameter persistent
+#: (whole on every rank, as stage 2's), the others sharded.
 CONFIGS = [("s0", 0, None, torch.float32), ("s1", 1, None, torch.float32),
            ("s2", 2, None, torch.float32), ("s3", 3, None, torch.float32),
            ("s1_cpu", 1, "cpu", torch.float32), ("s2_cpu", 2, "cpu", torch.float32),
            ("s3_cpu", 3, "cpu", torch.float32), ("s3_nvme", 3, "nvme", torch.float32),
-           ("s2_bf16", 2, None, torch.bfloat16)]
+           ("s2_bf16", 2, None, torch.bfloat16), ("s3_whole", 3, None, torch.float32)]
 
 
 class Net(nn.Module):
@@ -54,10 +56,10 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(self.frozen(x))))
 
 
-def _config(stage, offload, dtype, nvme_dir):
+def _config(name, stage, offload, dtype, nvme_dir):
     zero = {"stage": stage}
     if stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_param_persistence_threshold"] = 10 ** 6 if name == "s3_whole" else 0
     if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu"}
     elif offload == "nvme":
@@ -92,12 +94,12 @@ def _diff(a, b):
     return (a.detach().float() - b.detach().float()).abs().max().item()
 
 
-def _case(rank, world, stage, offload, dtype, nvme_dir):
+def _case(rank, world, name, stage, offload, dtype, nvme_dir):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     engine, *_ = zeroshard.initialize(
-        model=model, config=_config(stage, offload, dtype, nvme_dir),
+        model=model, config=_config(name, stage, offload, dtype, nvme_dir),
         optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                     lr=LR, weight_decay=WD))
     ref_params = dict(ref.named_parameters())
@@ -130,7 +132,8 @@ def _case(rank, world, stage, offload, dtype, nvme_dir):
     err["grad read"] = max(_diff(safe_get_full_grad(p), ref_params[n].grad) for n, p in trained)
     err["grad pieces"] = max(_diff(_gather(safe_get_local_grad(p), stage),
                                    safe_get_full_grad(p).reshape(-1)) for _, p in trained)
-    new = {n: ref_params[n].grad * 1.5 + 0.01 * _pattern(ref_params[n].shape, 0.7) for n, p in trained}
+    new = {n: ref_params[n].grad * 1.5 + 0.01 * _pattern(ref_params[n].shape, 0.7)
+           for n, _ in trained}
     half = len(trained) // 2
     names = {id(p): n for n, p in trained}
     for n, p in trained[:half]:
@@ -228,7 +231,7 @@ def _all(rank, world):
         for name, stage, offload, dtype in CONFIGS:
             nvme_dir = os.path.join(tmp, f"{name}_{rank}")
             os.makedirs(nvme_dir, exist_ok=True)
-            results[name] = _case(rank, world, stage, offload, dtype, nvme_dir)
+            results[name] = _case(rank, world, name, stage, offload, dtype, nvme_dir)
     return results
 
 

@@ -55,7 +55,7 @@ CORE_LAYERS = {
     # Building a model partitioned (Init) and gathering it back (GatheredParameters).
     "construct": {"init", "gathered", "sanity"},
     # The sharded optimizer over a stage: its step, state dict, loss scaler, Muon, Lion.
-    "optimizer": {"optim", "grad_norm", "state", "fragments", "muon", "muon_exchange", "lion",
+    "optimizer": {"optim", "grad_norm", "state", "fragments", "fragment_grads", "muon", "muon_exchange", "lion",
                   "scaler", "no_optimizer", "user_backward"},
     # What only build.py calls: a stage made from its spec (units, policy, strategies), and the
     # ranks' agreement on what they built.

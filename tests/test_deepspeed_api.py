@@ -360,6 +360,20 @@ def test_deepspeed_module_paths_answer():
         load_config({"zero_optimization": {"stage": 7}})
 
 
+def test_git_version_info_reads_as_an_unbuilt_deepspeed():
+    """DeepSpeed's test helpers (bf16_required_version_check) and environment reports index
+    `torch_info` and `installed_ops`: "0.0" means "ask torch at run time", no op is pre-built."""
+    from zeroshard.compat.deepspeed import alias, git_version_info as info
+
+    assert alias.ALIASES["deepspeed.git_version_info"] == info.__name__
+    assert info.version == alias.DEEPSPEED_VERSION
+    assert {info.torch_info[k] for k in ("version", "cuda_version", "nccl_version",
+                                         "hip_version")} == {"0.0"}
+    assert info.torch_info["bf16_support"] is False
+    assert info.installed_ops["cpu_adam"] is False and set(info.installed_ops) >= {"async_io"}
+    assert info.accelerator_name == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def test_enable_sanity_checks_is_accepted():
     from zeroshard.config.schema import ConfigWarning, load_config
 

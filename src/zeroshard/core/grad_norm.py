@@ -31,7 +31,7 @@ def norm_and_flag(opt, grads: list[torch.Tensor], scale: float):
         norm, found_inf = total.sqrt() / scale, (~torch.isfinite(total)).to(torch.float32)
     else:  # stage 0 without clipping or loss scaling: the losses' check (step_check.LossCheck)
         opt.placement.sq_norm(grads, norm=False)
-        counts, norm, found_inf = None, None, verdict
+        counts, norm, found_inf = None, None, verdict.to(opt.device)  # (a loss elsewhere)
     if counts is None:  # stage 0: the counts came with the gradients' last all-reduce
         counts = opt.policy.received_counts()
     return norm, found_inf, counts

@@ -22,7 +22,6 @@ from .dist import Comm
 from .config.schema import ZeroConfig
 from .monitor.timers import ThroughputTimer
 from .core.no_optimizer import REFUSAL, is_placeholder
-from .core.layout import plain_named
 from .core.optim import ZeroOptimizer
 from .activations.checkpointing import use_engine_config
 from .monitor import MonitorMaster, TrainingWatch
@@ -439,39 +438,21 @@ class Engine(nn.Module):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """DeepSpeed's name (used by Hugging Face Trainer and accelerate): the consolidated state
         dict on rank 0 (empty elsewhere), without frozen parameters if asked (PEFT adapters)."""
-        state = self.consolidated_state_dict(rank0_only=True)
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in plain_named(self.module.named_parameters())
-                      if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state
+        from .checkpoint.weights16 import consolidated_16bit
+
+        return consolidated_16bit(self.module, exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the weights in the compute dtype (safetensors for a `.safetensors`
         name, torch.save otherwise); at stage 3 only when stage3_gather_16bit_weights_on_model_save
         is true (False and a warning otherwise, as in DeepSpeed). Every rank calls it."""
-        if self.zero_optimization_stage() == 3 and not self.zero_gather_16bit_weights_on_model_save():
-            warnings.warn("save_16bit_model: nothing saved, because at stage 3 it needs "
-                          "zero_optimization.stage3_gather_16bit_weights_on_model_save=true "
-                          "(or use engine.consolidated_state_dict())", stacklevel=2)
-            return False
-        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-        if self.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            if save_filename.endswith(".safetensors"):
-                from .checkpoint.safetensors_file import write_safetensors
+        from .checkpoint.weights16 import save_16bit
 
-                # Tied weights appear under each of their names, as from_pretrained expects.
-                write_safetensors(path, [(n, list(t.shape), t.dtype) for n, t in state.items()],
-                                  state.values())
-            else:
-                tmp = path + ".partial"
-                torch.save(state, tmp)
-                os.replace(tmp, path)  # never a half-written file under the final name
-        self.comm.barrier()
-        return True
+        return save_16bit(self.module, self.comm, save_dir, save_filename,
+                          stage=self.zero_optimization_stage(),
+                          gather_at_stage3=self.zero_gather_16bit_weights_on_model_save(),
+                          exclude_frozen=exclude_frozen_parameters)
 
     def destroy(self, keep_parameters: bool = True) -> None:
         """Remove hooks and delete swap files; the engine is unusable afterwards. At stage 3 the

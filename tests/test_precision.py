@@ -218,6 +218,25 @@ def _stage0_without_norm(rank, world):
         out["direct_nan"] = str(err)
     out["direct_unchanged"] = _same(before, _snapshot(engine))
     engine.destroy()
+    # Accumulation: an inf loss in the first micro-step (which does not communicate) of one rank
+    # still refuses the step the window ends with, on every rank.
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config=_config(0, gradient_clipping=0.0, gradient_accumulation_steps=2))
+    before = _snapshot(engine)
+    window = make_batches(1, MICRO * world * 2)[0]
+    for micro in range(2):
+        tokens, targets = micro_slice(window, micro, rank, world, MICRO)
+        loss = lm_loss(engine(tokens), targets)
+        engine.backward(loss * float("inf") if micro == 0 and rank == 0 else loss)
+        try:
+            engine.step()
+            out.setdefault("accumulated", None)
+        except zeroshard.NonFiniteGradientError as err:
+            out["accumulated"] = (micro, "inf/nan" in str(err))
+    out["accumulated_unchanged"] = _same(before, _snapshot(engine))
+    engine.destroy()
     return out
 
 
@@ -311,6 +330,8 @@ def test_stage0_checks_the_gradients_when_it_does_not_see_the_loss(results):
         assert got["direct_formed"]
         assert got["direct_nan"] is not None and "inf/nan" in got["direct_nan"], rank
         assert got["direct_unchanged"]
+        assert got["accumulated"] == (1, True), rank  # raised at the boundary, micro-step 1
+        assert got["accumulated_unchanged"]
 
 
 def test_loss_check_verdict():

@@ -27,6 +27,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 SHIM = Path(__file__).resolve().parents[2] / "src/zeroshard/compat/deepspeed/_deepspeed_shim"
+#: This folder: it holds ds_pool_guard, the plugin that keeps a failing test from stalling the pool.
+HERE = Path(__file__).resolve().parent
 
 
 def run(engine: str, python: str, tests: Path, files: list[str], out: Path, timeout: int,
@@ -35,10 +37,11 @@ def run(engine: str, python: str, tests: Path, files: list[str], out: Path, time
     # DeepSpeed's CPU accelerator counts LOCAL_SIZE devices: without it every multi-rank test
     # is skipped as "not enough GPUs".
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(local_size))
-    if engine == "zeroshard":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")]))
+    paths = [str(SHIM)] if engine == "zeroshard" else []
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, str(HERE), env.get("PYTHONPATH")]))
     xml = out / f"{engine}.xml"
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "ds_pool_guard",
+           f"--junitxml={xml}",
            "-o", "junit_family=xunit1", *files]
     with open(out / f"{engine}.log", "w") as log:
         subprocess.run(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT,

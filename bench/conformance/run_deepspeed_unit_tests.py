@@ -8,7 +8,11 @@ need pytest < 9):
 * `zeroshard`: with zeroshard's `_deepspeed_shim` first on PYTHONPATH, exactly as under
   `zeroshard run`, so `import deepspeed` is zeroshard.
 
-Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run). Each
+Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run), with the
+`ds_pool_guard` plugin (this folder): DeepSpeed's pool harness otherwise stalls for good after a
+test that fails through a pytest outcome such as "DID NOT RAISE" (that module says why), and with
+`DEEPSPEED_TIMEOUT=10` unless set (DeepSpeed's default; zeroshard reads it too), so a rank left
+waiting in a collective by a peer that failed gives up. Each
 test's outcome is read from a JUnit XML file and the table printed (and, with `--markdown FILE`,
 written) counts the tests DeepSpeed passes, of those the ones zeroshard passes, and lists each
 test zeroshard fails with the first line of its error.
@@ -37,6 +41,7 @@ def run(engine: str, python: str, tests: Path, files: list[str], out: Path, time
     # DeepSpeed's CPU accelerator counts LOCAL_SIZE devices: without it every multi-rank test
     # is skipped as "not enough GPUs".
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(local_size))
+    env.setdefault("DEEPSPEED_TIMEOUT", "10")
     paths = [str(SHIM)] if engine == "zeroshard" else []
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, str(HERE), env.get("PYTHONPATH")]))
     xml = out / f"{engine}.xml"

@@ -61,6 +61,7 @@ ALIASES = {
     "deepspeed.runtime.zero.leaf_module_config": "zeroshard.config.leaf_module",
     "deepspeed.runtime.swap_tensor": "zeroshard.compat.deepspeed.swap_tensor",
     "deepspeed.moe.utils": "zeroshard.compat.deepspeed.moe_utils",
+    "deepspeed.utils.torch": "zeroshard.compat.deepspeed.utils.torch_version",
     "deepspeed.runtime.lr_schedules": "zeroshard.schedulers",
     "deepspeed.runtime.engine": "zeroshard.engine",
     "deepspeed.checkpointing": "zeroshard.activations.checkpointing",

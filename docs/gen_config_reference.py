@@ -181,6 +181,13 @@ MEANING: dict[str, str] = {
     "timers": "Throughput timer settings.",
     "weight_quantization": "Post-training weight quantisation.",
     "bf16.immediate_grad_update": "Apply gradients to bf16 parameters as they arrive.",
+    "checkpoint.tag_validation": "Check that every rank saves under the same tag: Warn (default), "
+                                 "Ignore, or Fail (an assertion error).",
+    "checkpoint.load_universal": "Load a DeepSpeed universal checkpoint.",
+    "checkpoint.use_node_local_storage": "Each node writes its ranks' files to its own local disk.",
+    "checkpoint.parallel_write": "Pipeline stages write their checkpoint files in parallel.",
+    "checkpoint.serialization": "Whether DeepSpeed's fast checkpoint writer serializes tensors.",
+    "checkpoint.writer": "DeepSpeed's checkpoint writer (decoupled or fast file writes).",
     "optimizer.legacy_fusion": "Old fused-optimizer switch.",
     "zero_optimization.cpu_offload_params": "Old switch for parameter offload to the CPU.",
     "zero_optimization.cpu_offload_use_pin_memory": "Old switch for pinned offload memory.",

@@ -85,8 +85,15 @@ def train(local_rank: int = -1, stage: int = 1, out: str = ".", moe_param_group:
         "omp": os.environ.get("OMP_NUM_THREADS"), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "world": deepspeed.comm.get_world_size(), "stage": model_engine.zero_optimization_stage(),
     }
+    # DeepSpeed's tests build every model's groups this way: without experts they pass through.
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": (p for p in net.parameters())})
+    seen["moe_plain"] = len(groups) == 1 and \
+        [id(p) for p in groups[0]["params"]] == [id(p) for p in net.parameters()]
+    expert = nn.Parameter(torch.zeros(2))
+    expert.allreduce = False  # how DeepSpeed's MoE layers mark an expert's parameter
     try:
-        split_params_into_different_moe_groups_for_optimizer({"params": []})
+        split_params_into_different_moe_groups_for_optimizer({"params": [expert], "name": "e"})
         seen["moe"] = "no error"
     except NotImplementedError as err:
         seen["moe"] = str(err)

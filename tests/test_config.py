@@ -446,7 +446,9 @@ INERT = [
     ({"elasticity": {"enabled": True}}, "elasticity"),
     ({"pipeline": {"stages": "auto"}}, "pipeline"),
     ({"amp": {"enabled": True}}, "amp"),
-    ({"checkpoint": {"tag_validation": "Warn"}}, "checkpoint"),
+    ({"checkpoint": {"tag_validation": "Warn"}}, "checkpoint.tag_validation"),
+    ({"checkpoint": {"tag_validation": "fail", "load_universal": False}},
+     "checkpoint.load_universal"),
     ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
     ({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}},
@@ -526,6 +528,15 @@ def test_clean_config_does_not_warn():
     assert (zero.stage, zero.round_robin_gradients, zero.mics_shard_size) == (3, False, -1)
     assert zero.stage3_max_live_parameters == 1_000_000_000
     assert type(zero.stage3_max_live_parameters) is int  # 1e9 in JSON is a float
+
+
+def test_checkpoint_tag_validation_modes():
+    # DeepSpeed's three modes in any case; "fail" (what zeroshard does) is silent; others refused.
+    cfg, messages = load_recording({"train_batch_size": 4, "checkpoint": {"tag_validation": "FAIL"}})
+    assert cfg.checkpoint.tag_validation == "fail" and messages == []
+    assert load_quietly({"train_batch_size": 4}).checkpoint.tag_validation == "warn"
+    with pytest.raises(ConfigError, match=r"checkpoint\.tag_validation.*'ignore', 'warn', 'fail'"):
+        load_config({"train_batch_size": 4, "checkpoint": {"tag_validation": "foo"}})
 
 
 def test_inert_top_level_key_is_dropped():

@@ -427,3 +427,28 @@ def test_ignore_unused_parameters_false_says_it_has_no_effect():
 
     assert notices(True) == []
     assert len(notices(False)) == 1 and "has no effect" in notices(False)[0]
+
+
+def test_required_torch_version_and_moe_groups_answer():
+    """deepspeed.utils.torch.required_torch_version bounds the installed torch as DeepSpeed's does;
+    deepspeed.moe.utils' splitter hands a model without experts its groups back as lists."""
+    import importlib
+
+    from zeroshard.compat.deepspeed import alias
+
+    def target(path):
+        return importlib.import_module(alias.ALIASES[path])
+
+    check = target("deepspeed.utils.torch").required_torch_version
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert check(min_version=1.4) and check(min_version=f"{major}.{minor}")
+    assert not check(min_version=f"{major + 1}.0") and not check(max_version=1.4)
+    assert check(min_version="1.0", max_version=f"{major + 1}")
+    with pytest.raises(ValueError, match="min_version, max_version or both"):
+        check()
+    split = target("deepspeed.moe.utils").split_params_into_different_moe_groups_for_optimizer
+    layer = torch.nn.Linear(2, 2)
+    groups = split({"params": (p for p in layer.parameters()), "lr": 0.1})
+    assert groups == [{"params": list(layer.parameters()), "lr": 0.1}]
+    assert split(({"params": [layer.weight]}, {"params": [layer.bias]})) == \
+        [{"params": [layer.weight]}, {"params": [layer.bias]}]

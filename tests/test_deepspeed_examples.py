@@ -95,8 +95,9 @@ def test_examples_style_script_runs_unchanged(stage, reference, tmp_path):
             assert (seen["name"], seen["backend"], seen["current"]) == ("cpu", "gloo", "cpu")
             assert seen["device"] == f"cpu:{seen['local_rank']}" and seen["device_count"] == WORLD
         assert seen["memory"] and seen["total_memory"] and seen["elapsed_ms"]
-        assert "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer is not " \
-               "supported by zeroshard" in seen["moe"]
+        assert seen["moe_plain"]
+        assert "parameter group 0 ('e') holds expert parameters (allreduce=False)" in seen["moe"]
+        assert "zeroshard has no mixture of experts" in seen["moe"]
     if stage == 1 and "--bind_cores_to_rank" in launcher + ["--bind_core_list"]:
         pinned = [set(r["affinity"]) for r in ranks]
         assert pinned[0] and pinned[1] and not pinned[0] & pinned[1]  # each rank its own cores

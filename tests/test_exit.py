@@ -209,3 +209,34 @@ def test_a_skipped_step_fails_the_job_even_when_the_script_destroys_the_group(tm
     if stage == 1:
         assert "rank 0: 2 optimizer steps after 2 backward passes" in out, out[-3000:]
         assert "rank 1: 2 optimizer steps after 3 backward passes" in out, out[-3000:]
+
+
+def test_deepspeed_timeout_bounds_the_group_s_collectives(monkeypatch):
+    """DEEPSPEED_TIMEOUT (minutes) reaches init_process_group when the caller names no timeout,
+    as in DeepSpeed, so a rank waiting on a failed peer gives up; a bad value names the variable.
+    In-process: torch's init_process_group is replaced by a recorder."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from zeroshard.dist import process_group
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(process_group, "leave_cleanly_at_exit", lambda: None)
+    monkeypatch.setattr(process_group, "_load_dynamo_first", lambda: None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0" if name != "WORLD_SIZE" else "1")
+    explicit = {"init_method": "file:///nonexistent", "rank": 0, "world_size": 1,
+                "backend": "gloo"}
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "3")
+    process_group.init_distributed(**explicit)
+    process_group.init_distributed(timeout=datetime.timedelta(seconds=7), **explicit)
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT")
+    process_group.init_distributed(**explicit)
+    assert [c.get("timeout") for c in calls] == [datetime.timedelta(minutes=3),
+                                                 datetime.timedelta(seconds=7), None]
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "ten")
+    with pytest.raises(ValueError, match="DEEPSPEED_TIMEOUT='ten': expected a whole number"):
+        process_group.init_distributed(**explicit)

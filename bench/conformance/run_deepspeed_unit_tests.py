@@ -8,7 +8,11 @@ need pytest < 9):
 * `zeroshard`: with zeroshard's `_deepspeed_shim` first on PYTHONPATH, exactly as under
   `zeroshard run`, so `import deepspeed` is zeroshard.
 
-Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run). Each
+Both run on CPU (`DS_ACCELERATOR=cpu`, gloo, `LOCAL_SIZE=2` so that 2-rank tests run), with the
+`ds_pool_guard` plugin (this folder): DeepSpeed's pool harness otherwise stalls for good after a
+test that fails through a pytest outcome such as "DID NOT RAISE" (that module says why), and with
+`DEEPSPEED_TIMEOUT=10` unless set (DeepSpeed's default; zeroshard reads it too), so a rank left
+waiting in a collective by a peer that failed gives up. Each
 test's outcome is read from a JUnit XML file and the table printed (and, with `--markdown FILE`,
 written) counts the tests DeepSpeed passes, of those the ones zeroshard passes, and lists each
 test zeroshard fails with the first line of its error.
@@ -27,6 +31,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 SHIM = Path(__file__).resolve().parents[2] / "src/zeroshard/compat/deepspeed/_deepspeed_shim"
+#: This folder: it holds ds_pool_guard, the plugin that keeps a failing test from stalling the pool.
+HERE = Path(__file__).resolve().parent
 
 
 def run(engine: str, python: str, tests: Path, files: list[str], out: Path, timeout: int,
@@ -35,10 +41,12 @@ def run(engine: str, python: str, tests: Path, files: list[str], out: Path, time
     # DeepSpeed's CPU accelerator counts LOCAL_SIZE devices: without it every multi-rank test
     # is skipped as "not enough GPUs".
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(local_size))
-    if engine == "zeroshard":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")]))
+    env.setdefault("DEEPSPEED_TIMEOUT", "10")
+    paths = [str(SHIM)] if engine == "zeroshard" else []
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, str(HERE), env.get("PYTHONPATH")]))
     xml = out / f"{engine}.xml"
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "ds_pool_guard",
+           f"--junitxml={xml}",
            "-o", "junit_family=xunit1", *files]
     with open(out / f"{engine}.log", "w") as log:
         subprocess.run(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT,

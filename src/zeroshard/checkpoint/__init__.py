@@ -12,6 +12,6 @@ policy or placement), and the run's counters, loss scaler, LR scheduler, sampler
 `TrainState` (`train_state.py`)."""
 
 from .sharded import load_checkpoint, save_checkpoint  # noqa: F401
-from .verify import CheckpointError  # noqa: F401
+from .verify import CheckpointError, CheckpointTagError  # noqa: F401
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointTagError", "load_checkpoint", "save_checkpoint"]

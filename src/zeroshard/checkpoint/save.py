@@ -37,7 +37,7 @@ from .directory import (describe_failure, describe_os_error, own_directory, part
 from .names import CLIENT, CONFIG, FORMAT, LATEST, META, Parts, quiet_dcp, rng_file
 from .recovery_script import write_script
 from .run_state import check_client_state
-from .verify import CheckpointError, _ranks, agree, gather_digests, owner, seal
+from .verify import CheckpointError, CheckpointTagError, _ranks, agree, gather_digests, owner, seal
 
 __all__ = ["save_checkpoint"]
 
@@ -251,16 +251,17 @@ def _agree_on_target(comm, save_dir: str, tag: str, client_error: str | None,
     Returns every rank's view."""
     views = comm.all_gather_object((save_dir, tag, client_error, tag_error, setup_error, writer,
                                     step_counts()))
-    problems = []
+    problems, error = [], CheckpointError
     for index, what in ((0, "save_dir"), (1, "tag")):
         by_value: dict[str, list[int]] = {}
         for rank, view in enumerate(views):
             by_value.setdefault(view[index], []).append(rank)
         if len(by_value) > 1:
+            error = CheckpointTagError if what == "tag" else error
             problems.append(f"the ranks disagree on the checkpoint {what}: " + "; ".join(
                 f"{_ranks(ranks)}: {value!r}" for value, ranks in by_value.items()))
     if problems:
-        raise CheckpointError(
+        raise error(
             "save_checkpoint: " + "; ".join(problems) + ". Every rank must pass the same save_dir "
             "and tag (e.g. tag=f'global_step{engine.global_steps}', or tag=None for that default); "
             "nothing was written and 'latest' is unchanged")

@@ -54,6 +54,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this model."""
 
 
+class CheckpointTagError(CheckpointError, AssertionError):
+    """The ranks passed different checkpoint tags; also an AssertionError, which is what DeepSpeed
+    raises for them under `checkpoint.tag_validation: "fail"`."""
+
+
 # -- digests -----------------------------------------------------------------------------------
 
 def strict_mismatch(where: str, extra: list[str], lacking: list[str]) -> None:

@@ -13,12 +13,14 @@ INERT_KEYS: dict[str, dict[str, str]] = {
     "": {k: _NO_EFFECT for k in (
         "amp", "sparse_attention", "pipeline", "elasticity",
         "data_efficiency", "curriculum_learning", "compression_training", "autotuning",
-        "checkpoint", "data_types", "dump_state", "sparse_gradients", "memory_breakdown",
+        "data_types", "dump_state", "sparse_gradients", "memory_breakdown",
         "disable_allgather", "dataloader_drop_last", "eigenvalue", "progressive_layer_drop",
         "quantize_training", "hybrid_engine", "nebula", "compile", "weight_quantization",
         "graph_harvesting", "timers", "tensor_parallel",
         "seq_parallel_communication_data_type")},
     "bf16": {"immediate_grad_update": _NO_EFFECT},
+    "checkpoint": {k: _NO_EFFECT for k in (
+        "load_universal", "use_node_local_storage", "parallel_write", "serialization", "writer")},
     "optimizer": {"legacy_fusion": _NO_EFFECT},
     "zero_optimization": {k: _NO_EFFECT for k in (
         "legacy_stage1", "cpu_offload_use_pin_memory",
@@ -92,6 +94,10 @@ INERT_VALUES: list[tuple[str, str, Any, str]] = [
     ("zero_optimization", "ignore_unused_parameters", lambda v, c: not v,
      "{full}=false has no effect: zeroshard never stops on parameters that got no gradient in "
      "a backward (they count as zero gradients at every stage); ignored"),
+    ("checkpoint", "tag_validation", lambda v, c: v != "fail",
+     "{full} other than 'fail' has no effect: zeroshard refuses a save whose ranks pass "
+     "different tags in every mode, as DeepSpeed's 'fail' does (with an AssertionError): a "
+     "sharded checkpoint is one directory that every rank writes"),
     ("", "zero_allow_untested_optimizer", lambda v, c: v,
      "{full} has no effect in zeroshard (any elementwise torch.optim optimizer is sharded); "
      "ignored"),

@@ -32,6 +32,7 @@ __all__ = [
     "ZeroConfig", "FP16Config", "BF16Config", "TorchAutocastConfig", "OptimizerConfig",
     "SchedulerConfig",
     "ZeroOptimizationConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "AioConfig",
+    "CheckpointConfig",
 ]
 
 
@@ -161,6 +162,13 @@ class AioConfig(_Block):
     use_gds: Bool = False
 
 
+class CheckpointConfig(_Block):
+    """The ``checkpoint`` block: DeepSpeed's tag check (its other keys are inert, inert.py)."""
+    tag_validation: Annotated[str, _choice("ignore", "warn", "fail")] = "warn"
+    """What a save whose ranks pass different tags does. zeroshard refuses it in every mode, with
+    an error that is also an AssertionError (DeepSpeed's "fail"): one save is one directory."""
+
+
 class ZeroOptimizationConfig(_Block):
     """The ``zero_optimization`` block: stage, buckets, offload and the stage-3 knobs."""
     stage: _int(0, 3) = 0
@@ -236,6 +244,7 @@ class ZeroConfig(_Block):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     steps_per_print: Period = None
     """Print a progress line every N optimizer steps; None (DeepSpeed's default) never."""
     wall_clock_breakdown: Bool = False
@@ -292,6 +301,7 @@ _SCHEMA: dict[str, type[BaseModel]] = {
     "": ZeroConfig, "fp16": FP16Config, "bf16": BF16Config, "torch_autocast": TorchAutocastConfig,
     "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig, "zero_optimization": ZeroOptimizationConfig, "aio": AioConfig,
+    "checkpoint": CheckpointConfig,
     "zero_optimization.offload_optimizer": OffloadOptimizerConfig,
     "zero_optimization.offload_param": OffloadParamConfig,
     "zero_optimization.leaf_module": LeafModuleConfig,

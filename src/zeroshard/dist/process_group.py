@@ -79,6 +79,26 @@ def env_int(*names: str) -> int | None:
     return None
 
 
+#: DeepSpeed's variable for its process group's timeout, in whole minutes.
+TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"
+
+
+def env_timeout() -> datetime.timedelta | None:
+    """The collectives' timeout that DEEPSPEED_TIMEOUT asks for (whole minutes, as DeepSpeed reads
+    it), or None when it is unset (torch's default then applies)."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        minutes = int(value)
+    except ValueError:
+        minutes = 0
+    if minutes < 1:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a whole number of minutes >= 1 for "
+                         "the process group's timeout (e.g. 10, DeepSpeed's default); fix or unset it")
+    return datetime.timedelta(minutes=minutes)
+
+
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
                      dist_backend: str | None = None, distributed_port: int | None = None,
                      verbose: bool = True, init_method: str | None = None, rank: int = -1,
@@ -88,10 +108,12 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     DeepSpeed's spellings are accepted: `dist_backend` for `backend`, `distributed_port` for the
     rendezvous port when the environment gives none, and an explicit `init_method` (a `file://`
     or `tcp://` rendezvous) with `rank` and `world_size`, which then win over the environment;
-    `verbose` and other keywords are ignored.
+    `verbose` and other keywords are ignored. Without `timeout`, DEEPSPEED_TIMEOUT (minutes) sets
+    the collectives' timeout, as in DeepSpeed: a rank left waiting on a failed peer then gives up.
     """
     if dist.is_available() and dist.is_initialized():
         return
+    timeout = timeout if timeout is not None else env_timeout()
     backend = backend or dist_backend
     if init_method is not None:
         if rank < 0 or world_size < 1:

@@ -50,6 +50,8 @@ ALIASES = {
     "deepspeed.utils.z3_leaf_module": "zeroshard.compat.deepspeed.utils.z3_leaf",
     "deepspeed.utils.tensor_fragment": "zeroshard.compat.deepspeed.utils.tensor_fragment",
     "deepspeed.checkpoint.utils": "zeroshard.checkpoint.clone",
+    "deepspeed.moe.utils": "zeroshard.compat.deepspeed.moe_utils",
+    "deepspeed.utils.torch": "zeroshard.compat.deepspeed.utils.torch_version",
     "deepspeed.ops.adagrad": "zeroshard.compat.deepspeed.ops.adagrad",
     "deepspeed.ops.lion": "zeroshard.compat.deepspeed.ops.lion",
     "deepspeed.runtime.zero": "zeroshard.compat.deepspeed.zero",

@@ -64,6 +64,10 @@ def record() -> dict:
         "flops_profiler": dict(vars(cfg.flops_profiler_config)),
         "comms_logger": _dump(CommsLoggerConfig()),
         "activation_checkpointing": {k: v for k, v in vars(act).items()},
+        # DeepSpeed keeps the mode as two flags; named as zeroshard's schema spells it (DeepSpeed
+        # reads the value in any case).
+        "checkpoint": {"tag_validation": "fail" if cfg.checkpoint_tag_validation_fail else
+                       "warn" if cfg.checkpoint_tag_validation_enabled else "ignore"},
     }
 
 

@@ -170,7 +170,11 @@ out = {"initialize": deepspeed.initialize is zeroshard.initialize,
        "version": [metadata.version("deepspeed"), metadata.metadata("deepspeed")["Name"],
                    deepspeed.__version__, DEEPSPEED_VERSION],
        "logger": type(deepspeed.utils.logger).__name__}
-for name, use in (("moe", lambda: moe_split({})), ("pipe", lambda: deepspeed.pipe.PipelineModule([])),
+import torch
+expert = torch.nn.Parameter(torch.zeros(1))
+expert.allreduce = False  # DeepSpeed's mark of an expert's parameter
+for name, use in (("moe", lambda: moe_split({"params": [expert]})),
+                  ("pipe", lambda: deepspeed.pipe.PipelineModule([])),
                   ("inference", lambda: deepspeed.init_inference(None))):
     try:
         use()
@@ -197,8 +201,8 @@ def test_import_deepspeed_resolves_to_zeroshard_with_the_shim():
     assert (launch.SHIM / f"deepspeed-{ours}.dist-info" / "METADATA").is_file()
     assert out["logger"] == "Logger"
     assert out["isinstance"] is False
-    assert out["moe"].startswith("deepspeed.moe.utils.split_params_into_different_moe_groups_for_"
-                                 "optimizer is not supported by zeroshard (mixture of experts)")
+    # Groups without experts pass through (tests/test_deepspeed_api.py); an expert is refused.
+    assert out["moe"].startswith("parameter group 0 ('unnamed') holds expert parameters"), out["moe"]
     assert out["pipe"].startswith("deepspeed.pipe.PipelineModule is not supported by zeroshard "
                                   "(pipeline parallelism)")
     assert "deepspeed.init_inference is not supported" in out["inference"]

@@ -33,6 +33,10 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group
         raise ValueError("split_params_into_different_moe_groups_for_optimizer: expected a dict, "
                          f"a list or a tuple of parameter groups, got {type(param_groups).__name__}")
     for index, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"split_params_into_different_moe_groups_for_optimizer: parameter "
+                             f"group {index} has no 'params' (got {group!r:.80}); each group is "
+                             "a dict like {'params': [...], ...}")
         group["params"] = list(group["params"])
         experts = [i for i, p in enumerate(group["params"]) if is_moe_param(p)]
         if experts:

@@ -14,9 +14,10 @@ DDP steps torch's fused AdamW, the kernel zeroshard picks by itself for a torch 
 runs of this bench did). Both sides clip gradients as a new user's config does (`--clip`, default
 1.0: zeroshard's `gradient_clipping` default, DeepSpeed's since 0.19.3, and HF Trainer's
 `max_grad_norm`, whose DDP loop calls `clip_grad_norm_`); `--clip 0` compares neither clipping.
-Runs before 2026-12-03 had zeroshard clip at 1.0 and DDP not clip at all. Peak RSS cannot be told apart when both live in one process: `--only
-NAME` trains that one implementation alone (fresh processes, so run it once per implementation,
-interleaved) and prints its peak RSS, max over ranks.
+Runs before 2026-12-03 had zeroshard clip at 1.0 and DDP not clip at all. Peak RSS cannot be
+told apart when both live in one process: `--only NAME` trains that one implementation alone
+(fresh processes, so run it once per implementation, interleaved) and prints its peak RSS, max
+over ranks.
 
     torchrun --standalone --nproc-per-node 2 bench/bench_pair_ddp.py --size small --stages 3
     torchrun --standalone --nproc-per-node 2 bench/bench_pair_ddp.py --size large --stages 0,3

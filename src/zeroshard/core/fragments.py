@@ -113,17 +113,16 @@ def _target(where: Where, master: torch.Tensor, state: dict, key: str | None, ca
                      f"optimizer keeps {known}")
 
 
-def _read(param: nn.Parameter, key: str | None, caller: str, full: bool) -> torch.Tensor | None:
+def _read(param: nn.Parameter, key: str | None, full: bool) -> torch.Tensor | None:
     where = locate(param)
     if where is None:
         return None
     opt, unit, slot = where.opt, where.unit, where.slot
     with host_region():
         master, state = opt.placement.tensors(unit)
-        if key is not None and not (torch.is_tensor(state.get(key))
-                                    and state[key].shape == master.shape):
+        source = master if key is None else state.get(key)
+        if not (torch.is_tensor(source) and source.shape == master.shape):
             return None  # as DeepSpeed: a getter of a state not made (yet) gives nothing
-        source = _target(where, master, state, key, caller)
         piece = source[where.start - where.lo:where.end - where.lo]
         if not full:
             return piece.to(device=unit.compute_device, dtype=torch.float32, copy=True)
@@ -176,23 +175,23 @@ def _follow_master(where: Where, master: torch.Tensor, whole: torch.Tensor | Non
 
 def full_master(param: nn.Parameter) -> torch.Tensor | None:
     """The whole fp32 master of `param` on every rank (collective), or None if it has none."""
-    return _read(param, None, "safe_get_full_fp32_param", full=True)
+    return _read(param, None, full=True)
 
 
 def full_optimizer_state(param: nn.Parameter, key: str) -> torch.Tensor | None:
     """The whole optimizer state `key` (e.g. Adam's "exp_avg") of `param` (collective), or None
     (no master, or no such per-element state yet)."""
-    return _read(param, key, "safe_get_full_optimizer_state", full=True)
+    return _read(param, key, full=True)
 
 
 def local_master(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's piece of `param`'s fp32 master (flat, a copy; may be empty), or None."""
-    return _read(param, None, "safe_get_local_fp32_param", full=False)
+    return _read(param, None, full=False)
 
 
 def local_optimizer_state(param: nn.Parameter, key: str) -> torch.Tensor | None:
     """This rank's piece of `param`'s optimizer state `key` (flat, a copy), or None."""
-    return _read(param, key, "safe_get_local_optimizer_state", full=False)
+    return _read(param, key, full=False)
 
 
 def set_full_master(param: nn.Parameter, value: torch.Tensor) -> None:

@@ -60,7 +60,8 @@ def global_sq_norm(local: torch.Tensor, comm: Comm, device: torch.device,
 
 def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The sum of the squares of every element of `tensors`, a 0-dim float64 tensor (on
-    `device` when there are none)."""
+    `device` when there are none). `_foreach_norm` reduces without materialising squared copies,
+    accumulating in fp32 (bf16 gradients lose no precision to it)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)

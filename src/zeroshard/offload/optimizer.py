@@ -35,6 +35,7 @@ from torch import nn
 
 from ..dist.hostmem import host_copy, host_empty, host_zeros, is_host, on_device, to_host
 from ..dist.hostsync import HostSyncs
+from ..core.grad_norm import sum_of_squares
 from ..core.layout import Unit
 from ..dist.streams import Streams
 from .early import EarlyStep
@@ -127,13 +128,7 @@ class Placement:
             return None
         if not fp32:
             return host_zeros(1, torch.float64)
-        # _foreach_norm reduces without materialising squared copies of the shards (bf16 master
-        # gradients accumulate in fp32, so the norm does not lose precision).
-        if self.master_dtype == torch.float32:
-            norms = torch._foreach_norm(fp32)
-        else:
-            norms = torch._foreach_norm(fp32, 2, dtype=torch.float32)
-        return torch.stack(norms).double().pow(2).sum().reshape(1)
+        return sum_of_squares(fp32, fp32[0].device).reshape(1)
 
     def _early_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Units were stepped during backward: wait for them (stepping any that did not land,
